@@ -1,0 +1,175 @@
+"""The HTTP server: a FastAPI app over the TokenizerManager, served by uvicorn.
+
+Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
+GET /model_info, GET /server_info. Client mistakes get HTTP 400 with
+{"error": {"message": ...}} naming the field; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from typing import Any, AsyncIterator
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, ORJSONResponse, Response, StreamingResponse
+
+from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
+from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.server_args import ServerArgs
+from tandem.utils.process import configure_logging, kill_process_tree
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    kind = "BadRequestError" if status == 400 else "ServerError"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """Interleave the chunks of a batch's streams, tagging each with its prompt's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put({**chunk, "index": i})
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    app = FastAPI(title="Tandem", default_response_class=ORJSONResponse)
+    tm = tokenizer_manager
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            [stream] = tm.generate_request(obj)
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                async for _ in stream:
+                    pass
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            return error_response(f"engine did not answer: {type(e).__name__}: {e}", 503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": server_args.model_path,
+            "tokenizer_path": server_args.tokenizer_path,
+            "served_model_name": server_args.served_model_name,
+            "is_generation": True,
+        }
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return {**server_args.to_dict(), **tm.scheduler_info}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return error_response(f"request body: invalid JSON ({e})")
+        try:
+            obj = GenerateReqInput.from_json(body)
+            streams = tm.generate_request(obj)
+        except (ValueError, TypeError) as e:
+            return error_response(str(e))
+        if obj.stream:
+            chunks = _merge_streams(streams) if obj.is_batch else streams[0]
+
+            async def body_iter() -> AsyncIterator[bytes]:
+                async for chunk in chunks:
+                    yield sse(chunk)
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(body_iter(), media_type="text/event-stream")
+        results = await asyncio.gather(*[_last(s) for s in streams])
+        return ORJSONResponse(results if obj.is_batch else results[0])
+
+    return app
+
+
+async def _last(stream: AsyncIterator[dict]) -> dict:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _warmup(tm: TokenizerManager) -> None:
+    obj = GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
+    [stream] = tm.generate_request(obj)
+    await _last(stream)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the subprocesses, then serve HTTP until SIGINT/SIGTERM; end every child on exit."""
+    configure_logging(server_args.log_level, "main")
+    server_args.validate()
+    procs: ServerProcesses = launch_subprocesses(server_args)
+
+    def on_child_death(name: str) -> None:
+        logger.error("%s died; shutting the server down", name)
+        procs.shutdown()
+        os._exit(1)
+
+    def on_sigquit(signum, frame) -> None:  # a child reported a crash
+        logger.error("a subprocess crashed; shutting the server down")
+        procs.shutdown()
+        os._exit(1)
+
+    signal.signal(signal.SIGQUIT, on_sigquit)
+    procs.watch(on_child_death)
+    try:
+        tm = TokenizerManager(server_args, procs.port_args, procs.scheduler_info)
+        app = create_app(tm, server_args)
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level if server_args.log_level != "debug" else "debug",
+                                timeout_keep_alive=5, access_log=False)
+        server = uvicorn.Server(config)
+
+        @app.on_event("startup")
+        async def startup() -> None:
+            if not server_args.skip_server_warmup:
+                await _warmup(tm)
+            logger.info("The server is fired up and ready to roll! (http://%s:%d)", server_args.host, server_args.port)
+
+        server.run()
+    finally:
+        procs.shutdown()
+        kill_process_tree(os.getpid(), include_parent=False)

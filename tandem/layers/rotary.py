@@ -1,0 +1,68 @@
+"""Rotary position embedding (the "rotate halves" layout of Hugging Face Llama/Qwen).
+
+Supports the `rope_scaling` kinds found in Llama-family configs: none/default, linear,
+dynamic (NTK, evaluated at the cache length), and llama3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        positions = torch.arange(max_position, dtype=torch.float64)
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if kind == "linear":
+            positions = positions / rope_scaling["factor"]
+        elif kind == "dynamic":
+            factor = rope_scaling["factor"]
+            orig = rope_scaling.get("original_max_position_embeddings", max_position)
+            if max_position > orig:
+                base = base * ((factor * max_position / orig) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+                inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif kind not in ("default", None):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        freqs = torch.outer(positions, inv_freq)
+        # float32 tables, as HF computes them (it builds inv_freq in float32).
+        self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], dim=-1)
+        sin = torch.cat([sin, sin], dim=-1)
+        rotated = rot.float() * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return torch.cat([rotated.to(x.dtype), rest], dim=-1) if rest.numel() else rotated.to(x.dtype)

@@ -1,0 +1,34 @@
+"""Decides whether a request is finished after a new token, and why (SGLang's shapes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.managers.schedule_batch import Req
+
+
+class FinishChecker:
+    """Stop conditions in the order SGLang applies them: stop token ids, EOS, length,
+    then stop strings (found by decoding only the tail of the output)."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def check(self, req: Req) -> dict[str, Any] | None:
+        sp = req.sampling_params
+        last = req.output_ids[-1]
+        if last in sp.stop_token_ids:
+            return {"type": "stop", "matched": last}
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            return {"type": "stop", "matched": last}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if sp.stop and self.tokenizer is not None:
+            # A stop string of B UTF-8 bytes spans at most B tokens (+1 partial token).
+            window = max(len(s.encode("utf-8")) for s in sp.stop) + 1
+            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None

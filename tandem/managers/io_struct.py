@@ -1,0 +1,183 @@
+"""Every message that crosses a process boundary, in one module.
+
+Direction of each message:
+  TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, HealthCheckReq
+  Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
+  DetokenizerManager -> TokenizerManager: BatchStrOutput (one per BatchTokenIDOutput)
+  Subprocess -> parent at start-up:     ReadyMessage
+Outputs are batched: one message per step carries every request that produced tokens
+or finished in that step. Serialization is in `tandem.utils.zmq_io`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """One request, tokenized and validated, on its way to the scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    input_text: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """Ask the scheduler to stop a request (queued or running); `abort_all` stops all."""
+
+    rid: str | None = None
+    abort_all: bool = False
+    message: str = "aborted"
+
+
+@dataclass
+class DetokenizeParams:
+    """What the detokenizer needs to know about one request; sent with its first output."""
+
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    stop: list[str]
+    no_stop_trim: bool
+    stream: bool
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """New token ids of every request that advanced in one scheduler step.
+
+    Lists are parallel, one entry per request. `new_token_ids[i]` holds only the ids
+    produced since the previous message for that rid. `finished_reasons[i]` is None
+    while the request runs, else SGLang's dict: {"type": "stop", "matched": ...},
+    {"type": "length", "length": N} or {"type": "abort", "message": ...}.
+    """
+
+    rids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
+    detokenize_params: list[DetokenizeParams | None] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    """Text deltas for the tokenizer manager; parallel lists as in BatchTokenIDOutput.
+
+    `text_deltas[i]` is the text that became final since the previous message for that
+    rid (never a broken UTF-8 character; a possible stop-string prefix is held back while
+    the request runs). `new_token_ids[i]` are the ids of this step.
+    """
+
+    rids: list[str] = field(default_factory=list)
+    text_deltas: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ReadyMessage:
+    """Sent once by each subprocess when it is ready to serve (or failed to start)."""
+
+    process: str
+    ok: bool = True
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateReqInput:
+    """A native `/generate` request (or `Engine.generate` call), before tokenization.
+
+    Exactly one of `text` and `input_ids` is given; each may be one prompt or a batch
+    (a list of strings / a list of id lists). `sampling_params` and `rid` may be one
+    value for all prompts or a list with one per prompt.
+    """
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> "GenerateReqInput":
+        """Parse a JSON body; raises ValueError naming the offending field."""
+        if not isinstance(data, dict):
+            raise ValueError("request body: must be a JSON object")
+        known = {"text", "input_ids", "sampling_params", "stream", "rid"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown field")
+        obj = cls(**data)
+        obj.validate_shape()
+        return obj
+
+    def validate_shape(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text/input_ids: exactly one of them must be given")
+        if self.text is not None:
+            if isinstance(self.text, list):
+                if not self.text or not all(isinstance(t, str) for t in self.text):
+                    raise ValueError("text: must be a string or a non-empty list of strings")
+            elif not isinstance(self.text, str):
+                raise ValueError("text: must be a string or a list of strings")
+        else:
+            ids = self.input_ids
+            if not isinstance(ids, list) or not ids:
+                raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
+            rows = ids if isinstance(ids[0], list) else [ids]
+            for row in rows:
+                if not isinstance(row, list) or not row or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in row
+                ):
+                    raise ValueError("input_ids: every prompt must be a non-empty list of integers")
+        if not isinstance(self.stream, bool):
+            raise ValueError("stream: must be a boolean")
+        n = self.batch_size
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if not self.is_batch or len(value) != n:
+                    raise ValueError(f"{name}: a list must have one entry per prompt ({n})")
+        if self.sampling_params is not None:
+            for sp in self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]:
+                if not isinstance(sp, dict):
+                    raise ValueError("sampling_params: must be an object")
+        if self.rid is not None:
+            for rid in self.rid if isinstance(self.rid, list) else [self.rid]:
+                if not isinstance(rid, str) or not rid:
+                    raise ValueError("rid: must be a non-empty string")
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text) if self.text is not None else len(self.input_ids)
+
+    def item(self, i: int) -> "GenerateReqInput":
+        """The i-th prompt of a batch as a single request."""
+        def pick(value):
+            return value[i] if isinstance(value, list) else value
+
+        if self.text is not None:
+            return GenerateReqInput(text=self.text[i], sampling_params=pick(self.sampling_params),
+                                    stream=self.stream, rid=pick(self.rid))
+        return GenerateReqInput(input_ids=self.input_ids[i], sampling_params=pick(self.sampling_params),
+                                stream=self.stream, rid=pick(self.rid))

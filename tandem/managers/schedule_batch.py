@@ -1,0 +1,109 @@
+"""Scheduler-side state of requests (`Req`) and of the batch being run (`ScheduleBatch`).
+
+`Req` lives in the scheduler from admission until it finishes. KV bookkeeping per req:
+  req_pool_idx  its row in the ReqToTokenPool (None while waiting)
+  kv_len        tokens whose KV is in the pool (prompt + outputs except the newest)
+The newest output token has no KV yet: the next decode step computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandem.layers.sampler import SamplingBatchInfo
+from tandem.managers.io_struct import DetokenizeParams
+from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_tokens: int = 0
+    # Output ids already sent to the detokenizer; and whether its params were sent.
+    sent_len: int = 0
+    sent_detokenize_params: bool = False
+    # Set when the client aborted; honoured at the next result processing.
+    to_abort: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def detokenize_params(self) -> DetokenizeParams:
+        sp = self.sampling_params
+        return DetokenizeParams(
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            stop=list(sp.stop),
+            no_stop_trim=sp.no_stop_trim,
+            stream=self.stream,
+        )
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one forward and the token layout that forward uses."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    # Filled by prepare_*: KV slots of the new tokens, flattened.
+    out_cache_loc: torch.Tensor | None = None
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def to_forward_batch(self, device: str) -> ForwardBatch:
+        """Tensors for the model. For EXTEND the new tokens of req i are seq_ids[kv_len:];
+        for DECODE it is the newest output token."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        prefix_lens, extend_lens, seq_lens = [], [], []
+        for req in self.reqs:
+            seq = req.seq_ids
+            if self.forward_mode.is_extend():
+                new = seq[req.kv_len :]
+            else:
+                new = seq[-1:]
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(len(new))
+            seq_lens.append(req.kv_len + len(new))
+            input_ids.extend(new)
+            positions.extend(range(req.kv_len, req.kv_len + len(new)))
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+        )
+
+    def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in self.reqs], [len(r.output_ids) for r in self.reqs], vocab_size, device
+        )

@@ -1,0 +1,79 @@
+"""KV memory: `ReqToTokenPool` (request rows -> KV slots) and `TokenToKVPool` (slots -> K, V).
+
+Page size is 1: every token owns one slot. Slot 0 of the KV pool is never handed out; it
+is the padding slot that dummy or masked positions may write to harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """One row per running request; `req_to_token[row, pos]` is the KV slot of token `pos`."""
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or None when every row is taken."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert 0 <= row < self.size and row not in self._free_rows, f"double free of row {row}"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + slots.numel()] = slots
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim], indexed by slot.
+
+    Free slots are kept in a tensor; `alloc(n)` hands out n of them, `free` takes them back.
+    Invariant: every slot in 1..size is either free or held by exactly one owner.
+    """
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str):
+        self.size = size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        shape = (size + 1, num_kv_heads, head_dim)
+        # NOTE: empty, not zeros: pages of a large CPU pool are only touched when used.
+        # Attention reads only slots a request owns, never uninitialized ones.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.clear()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def clear(self) -> None:
+        self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    def available_size(self) -> int:
+        return int(self._free_slots.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots, or None when fewer than n are free."""
+        if n > self._free_slots.numel():
+            return None
+        out, self._free_slots = self._free_slots[:n], self._free_slots[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free_slots = torch.cat([self._free_slots, slots.to(self._free_slots.device)])
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][slots] = k.to(self.dtype)
+        self.v_buffer[layer_id][slots] = v.to(self.dtype)

@@ -1,0 +1,51 @@
+"""`ForwardBatch`: the tensors one model forward needs, built from a scheduled batch.
+
+Lengths follow one vocabulary across the code base:
+  prefix_len  tokens of a request whose KV is already in the pool before this forward
+  extend_len  tokens this forward computes for the request (1 in decode)
+  seq_len     prefix_len + extend_len: the request's KV length after this forward
+Token-level tensors (`input_ids`, `positions`, `out_cache_loc`) are flattened over the
+batch, request after request, with no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill: several new tokens per request on top of a cached prefix
+    DECODE = auto()  # one new token per request
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    out_cache_loc: torch.Tensor  # [num_tokens] KV slot of each new token
+    req_pool_indices: torch.Tensor  # [bs] rows of the ReqToTokenPool
+    seq_lens: torch.Tensor  # [bs]
+    # Host copies, so attention can slice without device syncs.
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the flattened token axis of each request's last new token."""
+        ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,108 @@
+"""`ModelRunner`: owns the model, the KV pools and the attention backend; runs forwards.
+
+It knows nothing about requests: the scheduler hands it a `ForwardBatch` and receives
+logits; sampling is a separate call so the caller decides what to sample with.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+from tandem.layers.sampler import Sampler, SamplingBatchInfo
+from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.model_executor.model_loader import iterate_weights, load_config
+from tandem.models.llama import ModelContext
+from tandem.models.registry import resolve_model_class
+from tandem.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Default KV budget on CPU: a fraction of the RAM available at start-up.
+CPU_DEFAULT_MEM_FRACTION = 0.1
+# Default cap on concurrently running requests.
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device == "cpu":
+        return torch.float32
+    config_dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    if config_dtype in (torch.bfloat16, torch.float16, "bfloat16", "float16"):
+        return getattr(torch, config_dtype) if isinstance(config_dtype, str) else config_dtype
+    return torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
+        self.server_args = server_args
+        self.device = server_args.device
+        self.config = load_config(server_args.model_path)
+        self.dtype = resolve_dtype(server_args.dtype, self.config, self.device)
+        self.vocab_size = self.config.vocab_size
+        torch.manual_seed(server_args.random_seed)
+        self._load_model(tp_rank, tp_size)
+        self.context_len = server_args.context_length or self.config.max_position_embeddings
+        self._init_memory_pools()
+        self.attn_backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool)
+        self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
+        self.sampler = Sampler(server_args.random_seed, self.device)
+
+    def _load_model(self, tp_rank: int, tp_size: int) -> None:
+        cls = resolve_model_class(self.config)
+        # NOTE: built under a default dtype rather than cast afterwards, so buffers that
+        # must stay float32 (the RoPE tables) keep their precision.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.config, tp_rank=tp_rank, tp_size=tp_size)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(iterate_weights(self.server_args.model_path))
+        self.model = model.eval()
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = self.config.num_hidden_layers
+
+    def _init_memory_pools(self) -> None:
+        args = self.server_args
+        per_token = TokenToKVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        if args.max_total_tokens:
+            total = args.max_total_tokens
+        else:
+            total = self._tokens_from_memory(per_token)
+            total = min(total, max_running * self.context_len)
+        if total < 2:
+            raise ValueError("not enough memory for the KV cache; lower the model size or raise --max-total-tokens")
+        self.max_total_num_tokens = total
+        self.max_running_requests = min(max_running, total)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 4, self.device)
+        self.token_to_kv_pool = TokenToKVPool(total, self.num_layers, self.num_kv_heads, self.head_dim,
+                                              self.dtype, self.device)
+        logger.info("KV cache: %d tokens (%.1f MB), max running requests %d",
+                    total, total * per_token / 2**20, self.max_running_requests)
+
+    def _tokens_from_memory(self, per_token: int) -> int:
+        frac = self.server_args.mem_fraction_static
+        if self.device.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info()
+            used_by_others = total - free
+            budget = total * (frac or 0.85) - used_by_others
+        else:
+            budget = psutil.virtual_memory().available * (frac or CPU_DEFAULT_MEM_FRACTION)
+        return int(max(budget, 0) // per_token)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] (float32) of each request's last token in this forward."""
+        return self.model(fb, self.ctx)
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        return self.sampler(logits, info)

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over Tandem's KV pool.
+
+One implementation covers the family; the differences are read from the config:
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, GQA, head_dim,
+RoPE scaling. The forward takes the `ForwardBatch` explicitly: no global state.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.attention.base import AttentionBackend
+from tandem.layers.layernorm import RMSNorm
+from tandem.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.mem_cache.memory_pool import TokenToKVPool
+from tandem.model_executor.forward_batch import ForwardBatch
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from either the old (`rope_theta`/`rope_scaling`) or
+    the transformers 5 (`rope_parameters`) form of a config."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = getattr(config, "rope_theta", None) or params.get("rope_theta", 10000.0)
+    scaling = getattr(config, "rope_scaling", None) or params
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return float(theta), (dict(scaling) if kind not in (None, "default") else None)
+
+
+class ModelContext:
+    """What layers need besides their weights: where the KV lives and how to attend."""
+
+    def __init__(self, kv_pool: TokenToKVPool, attn_backend: AttentionBackend):
+        self.kv_pool = kv_pool
+        self.attn_backend = attn_backend
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.layer_id = layer_id
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.num_heads = total_heads // tp_size
+        self.num_kv_heads = max(1, total_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, False, tp_rank, tp_size)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, ctx: ModelContext):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        out = ctx.attn_backend.forward(q, self.layer_id, fb, self.scaling, self.num_heads,
+                                       self.num_kv_heads, self.head_dim)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, tp_rank: int, tp_size: int):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, fb, ctx):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, fb, ctx):
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns the logits (float32) of each request's last new token."""
+
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    stacked_params = [
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    ]
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp_rank, tp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, ctx: ModelContext) -> torch.Tensor:
+        hidden = self.model(fb.input_ids, fb.positions, fb, ctx)
+        if fb.forward_mode.is_extend():
+            hidden = hidden[fb.last_token_indices()]
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue
+            for ckpt_part, param_part, shard_id in self.stacked_params:
+                if ckpt_part in name:
+                    target = name.replace(ckpt_part, param_part)
+                    param = params[target]
+                    param.weight_loader(param, tensor.to(param.dtype), shard_id)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight in checkpoint: {name}")
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, tensor.to(param.dtype))
+                else:
+                    param.data.copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,54 @@
+"""Sockets and serialization for the pipes between processes, in one place.
+
+Messages are the dataclasses of `tandem.managers.io_struct`, pickled (protocol 5).
+Pickle was chosen because it handles nested dataclasses with no schema code and is
+fast enough at these message sizes (a few KB per scheduler step); swapping it means
+changing `dumps`/`loads` here only.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+    """Create a one-way socket (PUSH or PULL) with no message limits and no linger."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.Socket, obj: Any) -> None:
+    sock.send(dumps(obj), copy=False)
+
+
+def recv_nowait(sock: zmq.Socket) -> list[Any]:
+    """Every message waiting on `sock`, without blocking."""
+    out = []
+    while True:
+        try:
+            out.append(loads(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+async def recv_async(sock: zmq.asyncio.Socket) -> Any:
+    return loads(await sock.recv())
