@@ -8,6 +8,7 @@ GET /model_info, GET /server_info. Client mistakes get HTTP 400 with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, ORJSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
@@ -30,9 +31,13 @@ logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-def error_response(message: str, status: int = 400) -> JSONResponse:
+def error_response(message: str, status: int = 400) -> Response:
     kind = "BadRequestError" if status == 400 else "ServerError"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return json_response({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def sse(obj: Any) -> bytes:
@@ -66,8 +71,16 @@ async def _merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[di
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
-    app = FastAPI(title="Tandem", default_response_class=ORJSONResponse)
     tm = tokenizer_manager
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not server_args.skip_server_warmup:
+            await _warmup(tm)
+        logger.info("The server is fired up and ready to roll! (http://%s:%d)", server_args.host, server_args.port)
+        yield
+
+    app = FastAPI(title="Tandem", lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,7 +132,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
 
             return StreamingResponse(body_iter(), media_type="text/event-stream")
         results = await asyncio.gather(*[_last(s) for s in streams])
-        return ORJSONResponse(results if obj.is_batch else results[0])
+        return json_response(results if obj.is_batch else results[0])
 
     return app
 
@@ -161,15 +174,7 @@ def launch_server(server_args: ServerArgs) -> None:
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level if server_args.log_level != "debug" else "debug",
                                 timeout_keep_alive=5, access_log=False)
-        server = uvicorn.Server(config)
-
-        @app.on_event("startup")
-        async def startup() -> None:
-            if not server_args.skip_server_warmup:
-                await _warmup(tm)
-            logger.info("The server is fired up and ready to roll! (http://%s:%d)", server_args.host, server_args.port)
-
-        server.run()
+        uvicorn.Server(config).run()
     finally:
         procs.shutdown()
         kill_process_tree(os.getpid(), include_parent=False)

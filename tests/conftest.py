@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny models built once per session, the converted stories260K model,
+and the Hugging Face reference used to check outputs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def stories_dir(tmp_path_factory) -> Path:
+    from tandem.tools.convert_llama2c import convert_llama2c
+    from tandem.tools.paths import stories260k_dir
+
+    src = stories260k_dir()
+    if src is None:
+        pytest.skip("stories260K not found (expected in ../shared/models/stories260K or $TANDEM_STORIES_DIR)")
+    return convert_llama2c(src / "stories260K.bin", src / "tok512.bin", tmp_path_factory.mktemp("models") / "stories260K")
