@@ -74,10 +74,9 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     ctx = zmq.Context.instance()
     ready_sock = zmq_io.make_socket(ctx, zmq.PULL, port_args.ready, bind=True)
     mp_ctx = mp.get_context("spawn")
-    procs = [
-        mp_ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0), name="scheduler"),
-        mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"),
-    ]
+    procs = [mp_ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0), name="scheduler")]
+    if not server_args.skip_tokenizer_init:  # without a tokenizer, no detokenization runs
+        procs.append(mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"))
     handle = ServerProcesses(port_args=port_args, procs=procs, scheduler_info={})
     try:
         for p in procs:

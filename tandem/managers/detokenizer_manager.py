@@ -47,6 +47,10 @@ class DetokenizerManager:
             prompt_tokens=msg.prompt_tokens,
             completion_tokens=msg.completion_tokens,
             cached_tokens=msg.cached_tokens,
+            output_token_logprobs=msg.output_token_logprobs,
+            output_top_logprobs=msg.output_top_logprobs,
+            input_token_logprobs=msg.input_token_logprobs,
+            input_top_logprobs=msg.input_top_logprobs,
         )
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)

@@ -24,7 +24,7 @@ class FinishChecker:
             return {"type": "stop", "matched": last}
         if len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": sp.max_new_tokens}
-        if sp.stop and self.tokenizer is not None:
+        if sp.stop and self.tokenizer is not None:  # no stop strings without a tokenizer
             # A stop string of B UTF-8 bytes spans at most B tokens (+1 partial token).
             window = max(len(s.encode("utf-8")) for s in sp.stop) + 1
             tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)

@@ -1,7 +1,9 @@
 """Every message that crosses a process boundary, in one module.
 
 Direction of each message:
-  TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, HealthCheckReq
+  TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, GetServerStateReq
+  Scheduler -> TokenizerManager:        ServerStateOutput; BatchTokenIDOutput under
+                                        --skip-tokenizer-init (no detokenizer runs)
   Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
   DetokenizerManager -> TokenizerManager: BatchStrOutput (one per BatchTokenIDOutput)
   Subprocess -> parent at start-up:     ReadyMessage
@@ -11,6 +13,7 @@ or finished in that step. Serialization is in `tandem.utils.zmq_io`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,9 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams
     stream: bool = False
     input_text: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -35,6 +41,31 @@ class AbortReq:
     rid: str | None = None
     abort_all: bool = False
     message: str = "aborted"
+
+
+@dataclass
+class GetServerStateReq:
+    """Ask the scheduler for its live counts; answered with ServerStateOutput."""
+
+    request_id: str
+
+
+@dataclass
+class ServerStateOutput:
+    """Live scheduler counts, for /server_info and memory checks.
+
+    Memory invariant (DESIGN.md §5), when idle:
+    free_kv_slots + evictable_cached_slots == max_total_num_tokens.
+    """
+
+    request_id: str
+    max_total_num_tokens: int
+    free_kv_slots: int
+    evictable_cached_slots: int
+    protected_cached_slots: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    free_req_rows: int
 
 
 @dataclass
@@ -65,6 +96,13 @@ class BatchTokenIDOutput:
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    # Per request, only when it asked for logprobs (else None): (logprob, token_id)
+    # pairs of the new output tokens, their top alternatives, and (in the first
+    # output only) the prompt's logprobs from logprob_start_len on.
+    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +121,10 @@ class BatchStrOutput:
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -109,13 +151,18 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    return_logprob: bool = False
+    # Input positions from which input logprobs are returned (-1: none, only outputs).
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> "GenerateReqInput":
         """Parse a JSON body; raises ValueError naming the offending field."""
         if not isinstance(data, dict):
             raise ValueError("request body: must be a JSON object")
-        known = {"text", "input_ids", "sampling_params", "stream", "rid"}
+        known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown field")
@@ -142,8 +189,13 @@ class GenerateReqInput:
                     isinstance(t, int) and not isinstance(t, bool) for t in row
                 ):
                     raise ValueError("input_ids: every prompt must be a non-empty list of integers")
-        if not isinstance(self.stream, bool):
-            raise ValueError("stream: must be a boolean")
+        for name in ("stream", "return_logprob", "return_text_in_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a boolean")
+        for name, lo in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name}: must be an integer >= {lo}")
         n = self.batch_size
         for name in ("sampling_params", "rid"):
             value = getattr(self, name)
@@ -176,8 +228,10 @@ class GenerateReqInput:
         def pick(value):
             return value[i] if isinstance(value, list) else value
 
-        if self.text is not None:
-            return GenerateReqInput(text=self.text[i], sampling_params=pick(self.sampling_params),
-                                    stream=self.stream, rid=pick(self.rid))
-        return GenerateReqInput(input_ids=self.input_ids[i], sampling_params=pick(self.sampling_params),
-                                stream=self.stream, rid=pick(self.rid))
+        return dataclasses.replace(
+            self,
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            sampling_params=pick(self.sampling_params),
+            rid=pick(self.rid),
+        )

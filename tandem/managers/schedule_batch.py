@@ -35,6 +35,17 @@ class Req:
     sent_detokenize_params: bool = False
     # Set when the client aborted; honoured at the next result processing.
     to_abort: str | None = None
+    # Logprobs (SGLang semantics: of the model's distribution, before temperature).
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
 
     @property
     def prompt_len(self) -> int:
@@ -90,6 +101,7 @@ class ScheduleBatch:
             seq_lens.append(req.kv_len + len(new))
             input_ids.extend(new)
             positions.extend(range(req.kv_len, req.kv_len + len(new)))
+        extend = self.forward_mode.is_extend()
         return ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(self.reqs),
@@ -101,6 +113,9 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
+            input_logprob_starts=[r.logprob_start_len if r.wants_input_logprobs() else -1 for r in self.reqs]
+            if extend else None,
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:

@@ -26,7 +26,9 @@ from tandem.managers.finish_check import FinishChecker
 from tandem.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
+    GetServerStateReq,
     ReadyMessage,
+    ServerStateOutput,
     TokenizedGenerateReqInput,
 )
 from tandem.managers.schedule_batch import Req, ScheduleBatch
@@ -54,8 +56,8 @@ class Scheduler:
         self.max_running_requests = runner.max_running_requests
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.context_len = runner.context_len
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path)
-        self.finish_checker = FinishChecker(self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer))
+        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
+        self.finish_checker = FinishChecker(self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
@@ -63,6 +65,7 @@ class Scheduler:
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
         self.send_to_detokenizer = zmq_io.make_socket(ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False)
+        self.send_to_tokenizer = zmq_io.make_socket(ctx, zmq.PUSH, port_args.scheduler_to_tokenizer, bind=False)
         self.poller = zmq.Poller()
         self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
 
@@ -97,12 +100,15 @@ class Scheduler:
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
                 self.handle_abort(msg)
+            elif isinstance(msg, GetServerStateReq):
+                zmq_io.send(self.send_to_tokenizer, self.server_state(msg.request_id))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                  stream=msg.stream)
+                  stream=msg.stream, return_logprob=msg.return_logprob,
+                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num)
         sp = req.sampling_params
         # The tokenizer manager has rejected prompts that cannot fit the context.
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len)
@@ -113,6 +119,18 @@ class Scheduler:
             self.send_outputs([req])
             return
         self.waiting_queue.append(req)
+
+    def server_state(self, request_id: str) -> ServerStateOutput:
+        return ServerStateOutput(
+            request_id=request_id,
+            max_total_num_tokens=self.max_total_num_tokens,
+            free_kv_slots=self.token_to_kv_pool.available_size(),
+            evictable_cached_slots=0,
+            protected_cached_slots=0,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting_queue),
+            free_req_rows=self.req_to_token_pool.available_size(),
+        )
 
     def handle_abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
@@ -194,9 +212,18 @@ class Scheduler:
         return self.worker.forward_batch_generation(batch)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        for req, token_id in zip(batch.reqs, result.next_token_ids):
+        for i, (req, token_id) in enumerate(zip(batch.reqs, result.next_token_ids)):
             req.kv_len = len(req.seq_ids)
+            if batch.forward_mode.is_extend() and result.input_logprobs and result.input_logprobs[i] is not None:
+                self._record_input_logprobs(req, result.input_logprobs[i])
+            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. input logprobs)
+                req.finished_reason = {"type": "length", "length": 0}
+                self.release_kv(req)
+                continue
             req.output_ids.append(token_id)
+            if req.return_logprob:
+                req.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
+                req.output_top_logprobs.append(result.next_top_logprobs[i])
             if req.to_abort is not None:
                 req.finished_reason = {"type": "abort", "message": req.to_abort}
             else:
@@ -207,6 +234,12 @@ class Scheduler:
             self.running.extend(r for r in batch.reqs if not r.finished())
         self.running = [r for r in self.running if not r.finished()]
         self.send_outputs(batch.reqs)
+
+    @staticmethod
+    def _record_input_logprobs(req: Req, logprobs) -> None:
+        ids = req.origin_input_ids[req.logprob_start_len :]
+        req.input_token_logprobs = list(zip(logprobs.token_logprobs, ids))
+        req.input_top_logprobs = logprobs.top_logprobs
 
     def release_kv(self, req: Req) -> None:
         row = req.req_pool_idx
@@ -234,10 +267,24 @@ class Scheduler:
             out.prompt_tokens.append(req.prompt_len)
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)
+            self._add_logprobs(out, req)
             req.sent_len = len(req.output_ids)
             req.sent_detokenize_params = True
         if out.rids:
-            zmq_io.send(self.send_to_detokenizer, out)
+            zmq_io.send(self.send_to_detokenizer if self.tokenizer is not None else self.send_to_tokenizer, out)
+
+    @staticmethod
+    def _add_logprobs(out: BatchTokenIDOutput, req: Req) -> None:
+        if not req.return_logprob:
+            for lst in (out.output_token_logprobs, out.output_top_logprobs,
+                        out.input_token_logprobs, out.input_top_logprobs):
+                lst.append(None)
+            return
+        out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len :])
+        out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len :])
+        first = not req.sent_detokenize_params
+        out.input_token_logprobs.append(req.input_token_logprobs if first else None)
+        out.input_top_logprobs.append(req.input_top_logprobs if first else None)
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0) -> None:

@@ -1,8 +1,9 @@
 """The tokenizer manager: lives in the main process, on the HTTP server's asyncio loop.
 
 It tokenizes and validates requests, sends them to the scheduler, keeps one `ReqState`
-per rid, and runs `handle_loop`, which receives `BatchStrOutput` from the detokenizer
-and wakes each waiting request. A request's outputs are yielded as dicts shaped like
+per rid, and runs `handle_loop`, which receives outputs (`BatchStrOutput` from the
+detokenizer, or `BatchTokenIDOutput` straight from the scheduler under
+--skip-tokenizer-init) and wakes each waiting request. Outputs are dicts shaped like
 SGLang's `/generate` response: {"text", "output_ids", "meta_info"}.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,7 +24,10 @@ import zmq.asyncio
 from tandem.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
+    BatchTokenIDOutput,
     GenerateReqInput,
+    GetServerStateReq,
+    ServerStateOutput,
     TokenizedGenerateReqInput,
 )
 from tandem.sampling.sampling_params import SamplingParams
@@ -32,18 +37,23 @@ from tandem.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
 
 @dataclass
 class ReqState:
     """Everything the main process knows about one request in flight."""
 
     rid: str
-    prompt_tokens: int
     created: float
+    return_logprob: bool
+    return_text_in_logprobs: bool
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    # Chunks received since the consumer last looked; each (text_delta, new_ids, meta).
-    pending: list[tuple[str, list[int], dict[str, Any]]] = field(default_factory=list)
+    logprobs: dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
+    input_logprobs: dict[str, list] | None = None
+    # Deltas received since the consumer last looked: (text, ids, logprob deltas, meta).
+    pending: list[tuple[str, list[int], dict[str, list], dict[str, Any]]] = field(default_factory=list)
     finished: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -51,40 +61,58 @@ class ReqState:
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any]):
         self.server_args = server_args
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path)
+        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
         self.context_len: int = scheduler_info["context_length"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
+        self._state_waiters: dict[str, asyncio.Future] = {}
         ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
         self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer, bind=True)
-        self._handle_loop_task: asyncio.Task | None = None
+        self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_tokenizer, bind=True)
+        self._loop_tasks: list[asyncio.Task] = []
 
     # ---- requests ------------------------------------------------------------------
-    def generate_request(self, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]]]:
-        """Validate, tokenize and send every prompt of `obj`; one output stream per prompt.
+    def generate_request(self, obj: GenerateReqInput, incremental: bool | None = None
+                         ) -> list[AsyncIterator[dict[str, Any]]]:
+        """Validate, tokenize and send every prompt of `obj`; one output stream per sample.
 
+        A batch of B prompts with sampling_params.n = n gives B * n streams, prompt-major.
         Raises ValueError (a client error naming the field) before anything is sent, so a
         batch with one bad prompt sends none. Each stream yields one final dict, or chunks
-        when `obj.stream`. Closing a stream early aborts its request.
+        when `obj.stream`; with `incremental` (default: --incremental-streaming-output)
+        chunks carry only what is new. Closing a stream early aborts its request.
         """
         self._ensure_handle_loop()
+        if incremental is None:
+            incremental = self.server_args.incremental_streaming_output
         items = [obj.item(i) for i in range(obj.batch_size)] if obj.is_batch else [obj]
-        tokenized = [self._tokenize(item) for item in items]
-        rids = [t.rid for t in tokenized]
-        if len(set(rids)) != len(rids):
-            raise ValueError("rid: the rids of a batch must be distinct")
+        reqs: list[tuple[GenerateReqInput, TokenizedGenerateReqInput]] = []
+        for item in items:
+            first = self._tokenize(item)
+            n = first.sampling_params.n
+            first.sampling_params.n = 1
+            if n == 1:
+                reqs.append((item, first))
+                continue
+            for i in range(n):
+                reqs.append((item, dataclasses.replace(first, rid=f"{first.rid}-{i}",
+                                                       sampling_params=copy.copy(first.sampling_params))))
+        rids = [r.rid for _, r in reqs]
+        if len(set(rids)) != len(rids) or any(rid in self.rid_to_state for rid in rids):
+            raise ValueError("rid: every request must have a distinct rid, not one already running")
         streams = []
-        for item, req in zip(items, tokenized):
-            state = ReqState(rid=req.rid, prompt_tokens=len(req.input_ids), created=time.time())
+        for item, req in reqs:
+            state = ReqState(rid=req.rid, created=time.time(), return_logprob=item.return_logprob,
+                             return_text_in_logprobs=item.return_text_in_logprobs)
             self.rid_to_state[req.rid] = state
             zmq_io.send(self.send_to_scheduler, req)
-            streams.append(self._wait_for_outputs(state, item.stream))
+            streams.append(self._wait_for_outputs(state, item.stream, incremental))
         return streams
 
-    async def _wait_for_outputs(self, state: ReqState, stream: bool) -> AsyncIterator[dict[str, Any]]:
-        incremental = self.server_args.incremental_streaming_output
+    async def _wait_for_outputs(self, state: ReqState, stream: bool, incremental: bool
+                                ) -> AsyncIterator[dict[str, Any]]:
         try:
             while True:
                 await state.event.wait()
@@ -92,23 +120,34 @@ class TokenizerManager:
                 chunks, state.pending = state.pending, []
                 if not chunks:
                     continue
-                meta = chunks[-1][2]
-                if stream:
-                    if incremental:
-                        text = "".join(c[0] for c in chunks)
-                        ids = [t for c in chunks for t in c[1]]
-                        yield {"text": text, "output_ids": ids, "meta_info": meta}
-                    else:
-                        yield {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+                if stream and incremental:
+                    yield self._output(state, chunks, delta=True)
+                elif stream or state.finished:
+                    yield self._output(state, chunks, delta=False)
                 if state.finished:
-                    if not stream:
-                        yield {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
                     return
         finally:
             if not state.finished:
                 # The consumer went away (client disconnect): stop the request.
                 self.abort_request(state.rid)
             self.rid_to_state.pop(state.rid, None)
+
+    def _output(self, state: ReqState, chunks: list, delta: bool) -> dict[str, Any]:
+        meta = dict(chunks[-1][3])
+        if delta:
+            text = "".join(c[0] for c in chunks)
+            ids = [t for c in chunks for t in c[1]]
+        else:
+            text, ids = state.text, list(state.output_ids)
+        if state.return_logprob:
+            for key in LOGPROB_KEYS:
+                meta[key] = [x for c in chunks for x in c[2][key]] if delta else list(state.logprobs[key])
+            inputs = state.input_logprobs or {"input_token_logprobs": [], "input_top_logprobs": []}
+            meta.update(inputs)
+        out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
+        if self.tokenizer is not None:
+            out = {"text": text, **out}
+        return out
 
     def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         assert not obj.is_batch
@@ -118,6 +157,8 @@ class TokenizerManager:
             if bad:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         else:
+            if self.tokenizer is None:
+                raise ValueError("text: the server runs with --skip-tokenizer-init; send input_ids")
             input_ids = self.tokenizer.encode(obj.text)
             if not input_ids:
                 raise ValueError("text: the prompt tokenizes to no tokens")
@@ -128,39 +169,77 @@ class TokenizerManager:
             )
         params = SamplingParams.from_dict(copy.deepcopy(obj.sampling_params))
         params.verify(self.vocab_size)
-        if params.n != 1:
-            raise ValueError("sampling_params.n: only n=1 is supported by /generate so far")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop: stop strings need a tokenizer; this server runs with "
+                             "--skip-tokenizer-init (use stop_token_ids)")
+        if obj.logprob_start_len >= len(input_ids):
+            raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
+        if obj.top_logprobs_num > self.vocab_size:
+            raise ValueError(f"top_logprobs_num: must be <= the vocabulary size ({self.vocab_size})")
         rid = obj.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise ValueError(f"rid: a request with rid {rid!r} is already running")
-        return TokenizedGenerateReqInput(rid=rid, input_ids=input_ids, sampling_params=params,
-                                         stream=obj.stream, input_text=obj.text)
+        return TokenizedGenerateReqInput(
+            rid=rid, input_ids=input_ids, sampling_params=params, stream=obj.stream, input_text=obj.text,
+            return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Stop one request (or all): queued ones leave the queue, running ones stop within a step."""
         zmq_io.send(self.send_to_scheduler, AbortReq(rid=rid, abort_all=abort_all))
+
+    async def get_server_state(self, timeout: float = 10.0) -> ServerStateOutput:
+        self._ensure_handle_loop()
+        request_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._state_waiters[request_id] = future
+        zmq_io.send(self.send_to_scheduler, GetServerStateReq(request_id=request_id))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._state_waiters.pop(request_id, None)
 
     # ---- outputs -------------------------------------------------------------------
     def _ensure_handle_loop(self) -> None:
-        if self._handle_loop_task is None or self._handle_loop_task.done():
-            self._handle_loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+        if not self._loop_tasks or any(t.done() for t in self._loop_tasks):
+            for t in self._loop_tasks:
+                t.cancel()
+            loop = asyncio.get_running_loop()
+            self._loop_tasks = [loop.create_task(self.handle_loop(self.recv_from_detokenizer)),
+                                loop.create_task(self.handle_loop(self.recv_from_scheduler))]
 
-    async def handle_loop(self) -> None:
+    async def handle_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            msg = await zmq_io.recv_async(self.recv_from_detokenizer)
-            if isinstance(msg, BatchStrOutput):
+            msg = await zmq_io.recv_async(sock)
+            if isinstance(msg, (BatchStrOutput, BatchTokenIDOutput)):
                 self._handle_batch_output(msg)
+            elif isinstance(msg, ServerStateOutput):
+                future = self._state_waiters.get(msg.request_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             else:
                 logger.error("tokenizer manager got an unknown message %r", type(msg))
 
-    def _handle_batch_output(self, msg: BatchStrOutput) -> None:
+    def _handle_batch_output(self, msg: BatchStrOutput | BatchTokenIDOutput) -> None:
         now = time.time()
+        has_text = isinstance(msg, BatchStrOutput)
         for i, rid in enumerate(msg.rids):
             state = self.rid_to_state.get(rid)
             if state is None:  # aborted by its client; the scheduler's last words
                 continue
             finished = msg.finished_reasons[i]
-            state.text += msg.text_deltas[i]
+            text = msg.text_deltas[i] if has_text else ""
+            state.text += text
             state.output_ids.extend(msg.new_token_ids[i])
+            deltas = {k: [] for k in LOGPROB_KEYS}
+            if state.return_logprob and msg.output_token_logprobs[i] is not None:
+                deltas["output_token_logprobs"] = self._with_text(msg.output_token_logprobs[i], state)
+                deltas["output_top_logprobs"] = [self._with_text(top, state) for top in msg.output_top_logprobs[i]]
+                for key in LOGPROB_KEYS:
+                    state.logprobs[key].extend(deltas[key])
+                if msg.input_token_logprobs[i] is not None:
+                    state.input_logprobs = {
+                        "input_token_logprobs": self._with_text(msg.input_token_logprobs[i], state),
+                        "input_top_logprobs": [self._with_text(top, state) for top in msg.input_top_logprobs[i]],
+                    }
             meta = {
                 "id": rid,
                 "finish_reason": finished,
@@ -169,6 +248,12 @@ class TokenizerManager:
                 "cached_tokens": msg.cached_tokens[i],
                 "e2e_latency": now - state.created,
             }
-            state.pending.append((msg.text_deltas[i], msg.new_token_ids[i], meta))
+            state.pending.append((text, msg.new_token_ids[i], deltas, meta))
             state.finished = finished is not None
             state.event.set()
+
+    def _with_text(self, pairs: list, state: ReqState) -> list[list]:
+        """(logprob, id) pairs -> SGLang's [logprob, id, text or None] triples."""
+        if state.return_text_in_logprobs and self.tokenizer is not None:
+            return [[lp, tid, self.tokenizer.decode([tid])] for lp, tid in pairs]
+        return [[lp, tid, None] for lp, tid in pairs]

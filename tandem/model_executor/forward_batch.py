@@ -40,6 +40,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    # Per request, EXTEND only: absolute position from which prompt logprobs are
+    # returned (-1: none), and how many top logprobs to return per position.
+    input_logprob_starts: list[int] | None = None
+    top_logprobs_nums: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

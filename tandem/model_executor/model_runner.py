@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.model_executor.forward_batch import ForwardBatch
@@ -100,8 +101,8 @@ class ModelRunner:
             budget = psutil.virtual_memory().available * (frac or CPU_DEFAULT_MEM_FRACTION)
         return int(max(budget, 0) // per_token)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [bs, vocab] (float32) of each request's last token in this forward."""
+    def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        """Next-token logits [bs, vocab] (float32), and prompt logprobs where asked."""
         return self.model(fb, self.ctx)
 
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

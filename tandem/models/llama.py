@@ -15,6 +15,7 @@ from torch import nn
 
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
+from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from tandem.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -123,7 +124,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Returns the logits (float32) of each request's last new token."""
+    """Returns each request's next-token logits (float32), and prompt logprobs on request."""
 
     # checkpoint name fragment -> (fused parameter fragment, shard id)
     stacked_params = [
@@ -138,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, tp_rank, tp_size)
+        self.logits_processor = LogitsProcessor()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -146,11 +148,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, ctx: ModelContext) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, ctx: ModelContext) -> LogitsProcessorOutput:
         hidden = self.model(fb.input_ids, fb.positions, fb, ctx)
-        if fb.forward_mode.is_extend():
-            hidden = hidden[fb.last_token_indices()]
-        return F.linear(hidden, self.lm_head_weight()).float()
+        return self.logits_processor(hidden, self.lm_head_weight(), fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -1,0 +1,79 @@
+"""From final hidden states to what the scheduler needs: next-token logits, and the
+log-probabilities of prompt tokens for requests that asked for input logprobs.
+
+Logprobs are of the distribution the model produced (before temperature and other
+sampling transforms), as SGLang reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tandem.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class InputLogprobs:
+    """Per request: logprob of each prompt token from `start` on (None for position 0)."""
+
+    token_logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]]]
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [bs, vocab] float32
+    # One entry per request; None where input logprobs were not asked for.
+    input_logprobs: list[InputLogprobs | None] = field(default_factory=list)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """[n, vocab] -> for each row, the k most likely (logprob, token_id), best first."""
+    if k <= 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    values, ids = logprobs.topk(k, dim=-1)
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+class LogitsProcessor:
+    def __call__(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, fb: ForwardBatch) -> LogitsProcessorOutput:
+        if fb.forward_mode.is_decode():
+            return LogitsProcessorOutput(F.linear(hidden, lm_head_weight).float(), [None] * fb.batch_size)
+        last = hidden[fb.last_token_indices()]
+        out = LogitsProcessorOutput(F.linear(last, lm_head_weight).float())
+        starts = fb.input_logprob_starts or [-1] * fb.batch_size
+        offset = 0
+        for i, start in enumerate(starts):
+            extend_len, prefix_len = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
+            if start < 0:
+                out.input_logprobs.append(None)
+            else:
+                out.input_logprobs.append(self._input_logprobs(
+                    hidden[offset : offset + extend_len], lm_head_weight, fb.input_ids[offset : offset + extend_len],
+                    prefix_len, start, fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0))
+            offset += extend_len
+        return out
+
+    @staticmethod
+    def _input_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, prefix_len: int,
+                        start: int, top_k: int) -> InputLogprobs:
+        """Prompt token j (absolute) is scored by the logits at position j - 1.
+
+        `hidden`/`ids` cover absolute positions prefix_len .. prefix_len + len - 1;
+        the scheduler guarantees start >= prefix_len (it never reuses a cached
+        prefix past the logprob start).
+        """
+        first = max(start, prefix_len + 1)  # first token with a scoring position in this chunk
+        end = prefix_len + ids.numel()
+        token_logprobs: list[float | None] = [None] if start == 0 else []
+        tops: list[list[tuple[float, int]]] = [[]] if start == 0 else []
+        if first < end:
+            logits = F.linear(hidden[first - 1 - prefix_len : end - 1 - prefix_len], weight).float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            targets = ids[first - prefix_len : end - prefix_len]
+            token_logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            tops += top_logprobs(logprobs, top_k)
+        return InputLogprobs(token_logprobs, tops)
