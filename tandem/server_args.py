@@ -34,6 +34,9 @@ class ServerArgs:
     incremental_streaming_output: bool = False
     max_prefill_tokens: int = 16384
     stream_interval: int = 1
+    skip_tokenizer_init: bool = False
+    api_key: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -81,7 +84,13 @@ class ServerArgs:
         add("--incremental-streaming-output", action="store_true",
             help="Stream only the new text in each /generate chunk instead of the text so far.")
         add("--max-prefill-tokens", type=int, default=16384, help="Most prompt tokens in one prefill batch.")
+        add("--skip-tokenizer-init", action="store_true",
+            help="Load no tokenizer: requests carry input_ids, responses carry output_ids only.")
         add("--stream-interval", type=int, default=1, help="Send a streaming chunk every N decode steps.")
+        add("--api-key", default=None,
+            help="Require 'Authorization: Bearer KEY' on every route except /health, /health_generate, /metrics.")
+        add("--chat-template", default=None,
+            help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -109,6 +118,7 @@ class PortArgs:
     tokenizer_to_scheduler: str = field(init=False)
     scheduler_to_detokenizer: str = field(init=False)
     detokenizer_to_tokenizer: str = field(init=False)
+    scheduler_to_tokenizer: str = field(init=False)
     ready: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +126,7 @@ class PortArgs:
         self.tokenizer_to_scheduler = f"{base}/tokenizer_to_scheduler"
         self.scheduler_to_detokenizer = f"{base}/scheduler_to_detokenizer"
         self.detokenizer_to_tokenizer = f"{base}/detokenizer_to_tokenizer"
+        self.scheduler_to_tokenizer = f"{base}/scheduler_to_tokenizer"
         self.ready = f"{base}/ready"
 
     @classmethod

@@ -1,7 +1,8 @@
 """The HTTP server: a FastAPI app over the TokenizerManager, served by uvicorn.
 
 Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
-GET /model_info, GET /server_info. Client mistakes get HTTP 400 with
+GET /model_info, GET /server_info, POST /abort_request, and the OpenAI-compatible
+routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
 {"error": {"message": ...}} naming the field; the server keeps serving.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +22,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
+from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
@@ -42,32 +47,6 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-async def _merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
-    """Interleave the chunks of a batch's streams, tagging each with its prompt's index."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
-        try:
-            async for chunk in stream:
-                await queue.put({**chunk, "index": i})
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -108,8 +87,31 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         }
 
     @app.get("/server_info")
-    async def server_info() -> dict:
-        return {**server_args.to_dict(), **tm.scheduler_info}
+    async def server_info() -> Response:
+        """Resolved arguments, capacities, and the scheduler's live memory counts."""
+        try:
+            state = await tm.get_server_state()
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
+        args = {k: v for k, v in server_args.to_dict().items() if k != "api_key"}
+        return json_response({**args, **tm.scheduler_info, **dataclasses.asdict(state)})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        """{"rid": ...} or {"abort_all": true}: each finishes with finish_reason.type "abort"."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return error_response(f"request body: invalid JSON ({e})")
+        if not isinstance(body, dict):
+            return error_response("request body: must be a JSON object")
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            return error_response("abort_all: must be a boolean")
+        if not abort_all and not isinstance(rid, str):
+            return error_response("rid: give the rid to abort, or abort_all: true")
+        tm.abort_request(rid=None if abort_all else rid, abort_all=abort_all)
+        return Response(status_code=200)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -122,32 +124,33 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             streams = tm.generate_request(obj)
         except (ValueError, TypeError) as e:
             return error_response(str(e))
+        multi = obj.is_batch or len(streams) > 1  # a batch, or n > 1 samples
         if obj.stream:
-            chunks = _merge_streams(streams) if obj.is_batch else streams[0]
-
             async def body_iter() -> AsyncIterator[bytes]:
-                async for chunk in chunks:
-                    yield sse(chunk)
+                async for index, chunk in merge_streams(streams):
+                    yield sse({**chunk, "index": index} if multi else chunk)
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(body_iter(), media_type="text/event-stream")
-        results = await asyncio.gather(*[_last(s) for s in streams])
-        return json_response(results if obj.is_batch else results[0])
+        try:
+            results = await await_or_disconnect(request, last_outputs(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return json_response(results if multi else results[0])
 
+    add_openai_routes(app, tm, server_args)
+    add_api_key_middleware(app, server_args.api_key)
     return app
 
 
-async def _last(stream: AsyncIterator[dict]) -> dict:
-    out = None
-    async for out in stream:
-        pass
-    return out
-
-
 async def _warmup(tm: TokenizerManager) -> None:
-    obj = GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
+    params = {"max_new_tokens": 4, "temperature": 0}
+    if tm.tokenizer is not None:
+        obj = GenerateReqInput(text="Hello", sampling_params=params)
+    else:
+        obj = GenerateReqInput(input_ids=[0, 1], sampling_params=params)
     [stream] = tm.generate_request(obj)
-    await _last(stream)
+    await last_outputs([stream])
 
 
 def launch_server(server_args: ServerArgs) -> None:

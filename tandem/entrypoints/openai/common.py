@@ -1,0 +1,134 @@
+"""Helpers shared by the chat and completions handlers: model check, sampling params,
+token budgets, opening and merging the tokenizer manager's output streams, usage,
+finish reasons, logprob entries and SSE framing."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+import orjson
+
+from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from tandem.managers.io_struct import GenerateReqInput
+
+SSE_DONE = b"data: [DONE]\n\n"
+# OpenAI reports -9999.0 where a logprob is -inf (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def served_model_names(server_args) -> set[str]:
+    return {n for n in (server_args.served_model_name, server_args.model_path) if n}
+
+
+def check_model(model: str, server_args) -> None:
+    """400 `model_not_found` unless `model` is the served name (or the model path)."""
+    if model not in served_model_names(server_args):
+        raise OpenAIError(f"model: the model {model!r} does not exist; this server serves "
+                          f"{server_args.served_model_name!r}", 400, param="model", code="model_not_found")
+
+
+def reject_unsupported(req: _SamplingFields) -> None:
+    """400 naming the first field whose feature is not implemented, if set to a non-neutral value."""
+    bad = req.unsupported_fields()
+    if bad:
+        raise OpenAIError(f"{bad[0]}: not supported yet (only the neutral/default value is accepted)",
+                          400, param=bad[0], code="unsupported_parameter")
+
+
+def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang sampling params for `req`; extras left unset keep the engine's defaults."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "n": req.n or 1,
+    }
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    for name in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    return params
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
+                       default: int | None, param: str, prompt_param: str) -> int:
+    """The number of tokens to generate.
+
+    An explicit `requested` that does not fit the context beside the prompt is a 400; the
+    default (None: "up to the context") is capped to what fits.
+    """
+    room = context_len - prompt_len
+    if room <= 0:
+        raise OpenAIError(f"{prompt_param}: the prompt has {prompt_len} tokens, the context length is "
+                          f"{context_len}; it must be shorter", 400, param=prompt_param)
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise OpenAIError(f"{param}: {requested} tokens requested but the prompt has {prompt_len} tokens and the "
+                          f"context length is {context_len}; at most {room} can be generated", 400, param=param)
+    return requested
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason ("stop", "length", "abort") from SGLang's dict, None while running."""
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None
+    return fr.get("type", "stop") if isinstance(fr, dict) else str(fr)
+
+
+def usage_of(metas: list[dict[str, Any]], n: int) -> UsageInfo:
+    """Usage of B*n outputs (prompt-major): each prompt counted once, every completion summed."""
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas[::n])
+    completion = sum(m.get("completion_tokens", 0) for m in metas)
+    return UsageInfo.of(prompt, completion)
+
+
+def clamp_logprob(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return MIN_LOGPROB if value != value or value < MIN_LOGPROB else value
+
+
+def token_text(entry: list | tuple, tokenizer) -> str:
+    """The text of a [logprob, token_id, text_or_None] entry (decoded here if missing)."""
+    text = entry[2] if len(entry) > 2 else None
+    if text is not None:
+        return text
+    if tokenizer is None:
+        return f"token_id:{entry[1]}"
+    return tokenizer.decode([entry[1]])
+
+
+# ---- output streams ----------------------------------------------------------------
+
+
+def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]]]:
+    """Send `obj`; one stream per (prompt, sample). Streamed chunks hold only what is new.
+
+    Raises ValueError (a client error) before anything is sent.
+    """
+    return tm.generate_request(obj, incremental=True)
+
+
+def error_event(message: str, status: int = 500) -> bytes:
+    """An SSE carrying an error raised after the stream started."""
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    return sse({"error": {"object": "error", "message": message, "type": kind, "param": None, "code": status}})

@@ -1,0 +1,242 @@
+"""Pydantic v2 models of the OpenAI-compatible API: requests and responses.
+
+Request models accept OpenAI's fields plus SGLang's sampling extras (`top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Fields of
+features Tandem does not implement yet (penalties, `logit_bias`, tools, ...) are
+accepted only with their neutral value; `unsupported_fields()` names the others.
+Unknown fields are ignored, as most OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # SGLang extras.
+    top_k: StrictInt | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    # Not supported yet: only the neutral value is accepted.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI only logs it
+
+    def unsupported_fields(self) -> list[str]:
+        """Names of fields set to a value Tandem cannot honour yet, in declaration order."""
+        return [name for name, neutral in self._neutral_values().items()
+                if getattr(self, name) is not None and not neutral(getattr(self, name))]
+
+    def _neutral_values(self) -> dict[str, Any]:
+        return {
+            "frequency_penalty": lambda v: v == 0,
+            "presence_penalty": lambda v: v == 0,
+            "repetition_penalty": lambda v: v == 1,
+            "logit_bias": lambda v: not v,
+        }
+
+
+class ChatContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def _neutral_values(self) -> dict[str, Any]:
+        return {
+            **super()._neutral_values(),
+            "tools": lambda v: not v,
+            "tool_choice": lambda v: v == "none",
+            "functions": lambda v: not v,
+            "function_call": lambda v: v == "none",
+            "response_format": lambda v: v.get("type") == "text",
+        }
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    def _neutral_values(self) -> dict[str, Any]:
+        return {**super()._neutral_values(), "best_of": lambda v: v == 1, "suffix": lambda v: v == ""}
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    text: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses ---------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = ""
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message delta; fields left unset are omitted (OpenAI sends `{}` last)."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _drop_none(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

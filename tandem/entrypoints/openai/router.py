@@ -1,0 +1,83 @@
+"""Mounts the OpenAI-compatible API on the FastAPI app, plus the `--api-key` middleware.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /v1/models/{id}, POST /tokenize, POST /detokenize. Errors use OpenAI's shape
+(see `errors.py`), for these routes and for unknown routes (404).
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers, json_response
+from tandem.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+)
+from tandem.entrypoints.openai.serving_chat import ChatServing
+from tandem.entrypoints.openai.serving_completions import CompletionServing
+from tandem.entrypoints.openai import serving_models
+
+# Routes reachable without the API key (load balancers and monitoring).
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+
+
+def load_chat_template(path: str | None) -> str | None:
+    """The Jinja text of `--chat-template`, or None to use the tokenizer's own."""
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--chat-template: no such file {path!r}")
+    return p.read_text()
+
+
+def add_openai_routes(app: FastAPI, tm, server_args) -> None:
+    """Add the OpenAI-compatible routes and OpenAI-shaped error handlers to `app`."""
+    install_error_handlers(app)
+    chat = ChatServing(tm, server_args, load_chat_template(getattr(server_args, "chat_template", None)))
+    completions = CompletionServing(tm, server_args)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
+        return await chat.handle(request, req)
+
+    @app.post("/v1/completions")
+    async def completions_route(request: Request, req: CompletionRequest) -> Response:
+        return await completions.handle(request, req)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response(serving_models.list_models(server_args, tm.context_len).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return json_response(serving_models.retrieve_model(model_id, server_args, tm.context_len).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        return json_response(serving_models.tokenize(req, tm.tokenizer, tm.context_len))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        return json_response(serving_models.detokenize(req, tm.tokenizer, getattr(tm, "vocab_size", None)))
+
+
+def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:
+    """With `api_key`, require `Authorization: Bearer <api_key>` on every route but OPEN_PATHS."""
+    if not api_key:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            return OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                               code="invalid_api_key").response()
+        return await call_next(request)

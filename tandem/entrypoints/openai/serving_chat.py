@@ -1,0 +1,237 @@
+"""POST /v1/chat/completions: render the messages with the chat template, tokenize, run
+`n` samples through the tokenizer manager, and answer in OpenAI's shape (one JSON
+response, or server-sent chunks ending with `data: [DONE]`).
+
+The pure pieces (`render_chat_prompt`, `build_chat_generate_input`,
+`build_chat_response`, `ChatStreamConverter`) are unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import jinja2
+from fastapi.responses import Response, StreamingResponse
+
+from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+from tandem.entrypoints.openai.common import (
+    SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
+    open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
+)
+from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
+from tandem.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatMessage, ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
+)
+from tandem.managers.io_struct import GenerateReqInput
+
+logger = logging.getLogger(__name__)
+_PROMPT_FIELD = {"text/input_ids": "messages", "input_ids": "messages", "text": "messages"}
+
+
+# ---- request -> prompt -> GenerateReqInput -----------------------------------------
+
+
+def message_to_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: content flattened to one string."""
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(f"messages.{index}.content.{j}: only text content parts are supported, "
+                                  f"got type {part.type!r}", 400, param=f"messages.{index}.content")
+            parts.append(part.text)
+        content = "".join(parts)
+    out = message.model_dump(exclude_none=True)
+    out["content"] = content or ""
+    return out
+
+
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None) -> str:
+    """The prompt text: the messages through the model's (or `--chat-template`'s) template."""
+    if tokenizer is None:
+        raise OpenAIError("messages: this server runs without a tokenizer (--skip-tokenizer-init); "
+                          "use /v1/completions with token ids", 400, param="messages")
+    dicts = [message_to_dict(i, m) for i, m in enumerate(messages)]
+    kwargs = {"chat_template": chat_template} if chat_template else {}
+    try:
+        return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True, **kwargs)
+    except jinja2.TemplateError as e:
+        raise OpenAIError(f"messages: the chat template rejected the messages: {e}", 400, param="messages") from e
+    except ValueError as e:  # no chat template in the tokenizer and none given
+        raise OpenAIError(f"messages: cannot render the chat template ({e}); start the server with "
+                          "--chat-template", 400, param="messages") from e
+
+
+def encode_chat_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered prompt; no second BOS when the template already wrote one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (bos and text.startswith(bos))
+    return tokenizer.encode(text, add_special_tokens=add_special)
+
+
+def check_logprob_args(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError("top_logprobs: requires logprobs=true", 400, param="top_logprobs")
+
+
+def build_chat_generate_input(req: ChatCompletionRequest, input_ids: list[int],
+                              max_new_tokens: int) -> GenerateReqInput:
+    """The native request for a chat request whose prompt is `input_ids`."""
+    obj = GenerateReqInput(input_ids=list(input_ids), sampling_params=sampling_params(req, max_new_tokens),
+                           stream=bool(req.stream))
+    if req.logprobs:
+        obj.return_logprob = True
+        obj.top_logprobs_num = req.top_logprobs or 0
+        obj.return_text_in_logprobs = True
+    return obj
+
+
+# ---- outputs -> response -----------------------------------------------------------
+
+
+def _top_entry(entry, tokenizer) -> TopLogprob:
+    text = token_text(entry, tokenizer)
+    return TopLogprob(token=text, logprob=clamp_logprob(entry[0]), bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(meta: dict[str, Any], tokenizer) -> ChatLogprobs:
+    """OpenAI's `logprobs.content` from meta_info's output_token/top_logprobs lists."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for i, entry in enumerate(entries):
+        top = tops[i] if i < len(tops) and tops[i] else []
+        first = _top_entry(entry, tokenizer)
+        content.append(ChatTokenLogprob(**first.model_dump(), top_logprobs=[_top_entry(t, tokenizer) for t in top]))
+    return ChatLogprobs(content=content)
+
+
+def build_chat_response(req_id: str, model: str, outputs: list[dict[str, Any]], n: int,
+                        with_logprobs: bool, tokenizer=None, created: int | None = None) -> ChatCompletionResponse:
+    """The non-streamed response for the `n` final outputs of one prompt."""
+    choices = []
+    for i, out in enumerate(outputs):
+        meta = out.get("meta_info") or {}
+        choices.append(ChatChoice(
+            index=i,
+            message=ChatMessageOut(content=out.get("text") or ""),
+            logprobs=chat_logprobs(meta, tokenizer) if with_logprobs else None,
+            finish_reason=finish_reason(meta),
+        ))
+    usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
+    return ChatCompletionResponse(id=req_id, model=model, choices=choices, usage=usage,
+                                  created=created or int(time.time()))
+
+
+class ChatStreamConverter:
+    """Turns the incremental chunks of `num_choices` streams into OpenAI chunk dicts.
+
+    Per choice: a role chunk first, content chunks, exactly one chunk with a
+    finish_reason; then, with `include_usage`, a usage chunk with no choices.
+    """
+
+    def __init__(self, req_id: str, model: str, num_choices: int, n: int, with_logprobs: bool,
+                 include_usage: bool, tokenizer=None, created: int | None = None):
+        self.req_id, self.model, self.n = req_id, model, n
+        self.num_choices = num_choices
+        self.with_logprobs, self.include_usage, self.tokenizer = with_logprobs, include_usage, tokenizer
+        self.created = created or int(time.time())
+        self.metas: list[dict[str, Any]] = [{} for _ in range(num_choices)]
+        self.finished = [False] * num_choices
+
+    def _chunk(self, choice: ChatStreamChoice | None, usage=None) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(id=self.req_id, created=self.created, model=self.model,
+                                    choices=[choice] if choice else [], usage=usage)
+        return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
+
+    def start(self) -> list[dict[str, Any]]:
+        """The first chunk of every choice: the assistant role with empty content."""
+        return [self._chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                for i in range(self.num_choices)]
+
+    def on_output(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
+        """Chunks for one incremental output of choice `index`."""
+        if self.finished[index]:
+            return []
+        meta = out.get("meta_info") or {}
+        self.metas[index] = meta
+        chunks = []
+        text = out.get("text") or ""
+        logprobs = chat_logprobs(meta, self.tokenizer) if self.with_logprobs else None
+        if text or (logprobs and logprobs.content):
+            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=text),
+                                                       logprobs=logprobs)))
+        reason = finish_reason(meta)
+        if reason is not None:
+            self.finished[index] = True
+            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason)))
+        return chunks
+
+    def end(self) -> list[dict[str, Any]]:
+        """The usage chunk, when asked for."""
+        if not self.include_usage:
+            return []
+        return [self._chunk(None, usage=usage_of(self.metas, self.n))]
+
+
+# ---- the handler -------------------------------------------------------------------
+
+
+class ChatServing:
+    """Serves /v1/chat/completions over a TokenizerManager."""
+
+    def __init__(self, tm, server_args, chat_template: str | None = None):
+        self.tm, self.server_args, self.chat_template = tm, server_args, chat_template
+
+    def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
+        check_model(req.model, self.server_args)
+        reject_unsupported(req)
+        check_logprob_args(req)
+        tokenizer = self.tm.tokenizer
+        text = render_chat_prompt(tokenizer, req.messages, self.chat_template)
+        input_ids = encode_chat_prompt(tokenizer, text)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_new = resolve_max_tokens(requested, len(input_ids), self.tm.context_len, None, param, "messages")
+        return build_chat_generate_input(req, input_ids, max_new)
+
+    async def handle(self, request: Request, req: ChatCompletionRequest) -> Response:
+        obj = self.prepare(req)
+        try:
+            streams = open_streams(self.tm, obj)
+        except ValueError as e:
+            raise from_value_error(e, _PROMPT_FIELD) from e
+        req_id, n = random_id("chatcmpl"), req.n or 1
+        model = self.server_args.served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,
+                                       self.tm.tokenizer)
+            return StreamingResponse(_stream_body(conv, streams), media_type="text/event-stream")
+        try:
+            outputs = await await_or_disconnect(request, last_outputs(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        resp = build_chat_response(req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer)
+        return json_response(resp.model_dump())
+
+
+async def _stream_body(conv: ChatStreamConverter, streams) -> AsyncIterator[bytes]:
+    for chunk in conv.start():
+        yield sse(chunk)
+    try:
+        async for index, out in merge_streams(streams):
+            for chunk in conv.on_output(index, out):
+                yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - the status line is already sent
+        logger.exception("chat stream failed")
+        yield error_event(f"{type(e).__name__}: {e}")
+    for chunk in conv.end():
+        yield sse(chunk)
+    yield SSE_DONE

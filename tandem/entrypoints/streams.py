@@ -1,0 +1,57 @@
+"""Helpers over the output streams that `TokenizerManager.generate_request` returns,
+shared by the native and the OpenAI-compatible routes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Iterable
+
+
+async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """Interleave the streams' chunks as (stream index, chunk), in arrival order.
+
+    Closing the merged iterator cancels the pumps, which closes (and so aborts) every
+    unfinished request.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((i, chunk))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item[1], Exception):
+                raise item[1]
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def last_outputs(streams: Iterable[AsyncIterator[dict]]) -> list[dict[str, Any]]:
+    """The final dict of every stream, awaited concurrently; on failure the rest are cancelled."""
+    async def last(stream: AsyncIterator[dict]) -> dict:
+        out: dict = {}
+        async for out in stream:
+            pass
+        return out
+
+    tasks = [asyncio.create_task(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
