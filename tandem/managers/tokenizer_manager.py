@@ -197,6 +197,13 @@ class TokenizerManager:
         finally:
             self._state_waiters.pop(request_id, None)
 
+    async def close(self) -> None:
+        """Stop the receive loops (call on the manager's event loop before it stops)."""
+        tasks, self._loop_tasks = self._loop_tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # ---- outputs -------------------------------------------------------------------
     def _ensure_handle_loop(self) -> None:
         if not self._loop_tasks or any(t.done() for t in self._loop_tasks):

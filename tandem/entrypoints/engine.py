@@ -1,0 +1,166 @@
+"""The offline `Engine`: Tandem without HTTP, for scripts and RL rollout frameworks.
+
+`Engine(model_path=..., **server_args)` starts the scheduler and detokenizer
+subprocesses, with the TokenizerManager in the caller's process. The manager runs on a
+private event loop in a background thread, so the sync API works anywhere (also where the
+caller already runs an event loop) and `async_generate` works from any loop.
+
+    from tandem import Engine
+    with Engine(model_path="models/demo-llama") as engine:
+        print(engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})["text"])
+
+Scripts that create an Engine must guard their entry point with
+`if __name__ == "__main__":` (subprocesses are spawned, as with multiprocessing).
+Every subprocess ends at `shutdown()`, on leaving the `with` block, or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import threading
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Iterator
+
+from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
+from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.server_args import ServerArgs
+from tandem.utils.process import configure_logging
+
+Output = dict[str, Any] | list[dict[str, Any]]
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
+        if server_args is None:
+            if model_path is None:
+                raise ValueError("model_path: required")
+            kwargs.setdefault("log_level", "warning")
+            server_args = ServerArgs(model_path=model_path, **kwargs)
+        server_args.validate()
+        self.server_args = server_args
+        configure_logging(server_args.log_level, "engine")
+        self._procs: ServerProcesses | None = launch_subprocesses(server_args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-engine-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.tokenizer_manager = self._call(self._make_manager())
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    async def _make_manager(self) -> TokenizerManager:
+        # Created on the engine loop: its asyncio sockets belong to that loop.
+        return TokenizerManager(self.server_args, self._procs.port_args, self._procs.scheduler_info)
+
+    def _call(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ---- public API ----------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
+                 stream: bool = False, rid: str | list[str] | None = None) -> Output | Iterator[dict[str, Any]]:
+        """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
+        an iterator of chunks (each chunk of a batch carries its prompt's "index")."""
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                            top_logprobs_num, return_text_in_logprobs, stream, rid)
+        if stream:
+            return self._sync_stream(obj)
+        return self._call(self._collect(obj))
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                             return_text_in_logprobs: bool = False, stream: bool = False,
+                             rid: str | list[str] | None = None) -> Output | AsyncIterator[dict[str, Any]]:
+        """The asyncio twin of `generate`, usable from any event loop."""
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                            top_logprobs_num, return_text_in_logprobs, stream, rid)
+        if stream:
+            return self._async_stream(obj)
+        return await asyncio.wrap_future(self._submit(self._collect(obj)))
+
+    def get_server_info(self) -> dict[str, Any]:
+        state = self._call(self.tokenizer_manager.get_server_state())
+        return {**self.server_args.to_dict(), **self._procs.scheduler_info, **dataclasses.asdict(state)}
+
+    def pids(self) -> list[int]:
+        """Pids of the engine's subprocesses (for checks that none outlives it)."""
+        return self._procs.pids() if self._procs else []
+
+    def shutdown(self) -> None:
+        """End every subprocess and the engine loop; safe to call more than once."""
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            procs.shutdown()
+        manager = getattr(self, "tokenizer_manager", None)
+        if manager is not None and self._loop.is_running():
+            self._call(manager.close())
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------
+    @staticmethod
+    def _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                 return_text_in_logprobs, stream, rid) -> GenerateReqInput:
+        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream,
+                               rid=rid, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                               top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
+        obj.validate_shape()
+        return obj
+
+    async def _collect(self, obj: GenerateReqInput) -> Output:
+        outputs = await last_outputs(self.tokenizer_manager.generate_request(obj))
+        return outputs if obj.is_batch or len(outputs) > 1 else outputs[0]
+
+    async def _open_merged(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        streams = self.tokenizer_manager.generate_request(obj)
+        multi = len(streams) > 1 or obj.is_batch
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            async for index, chunk in merge_streams(streams):
+                yield {**chunk, "index": index} if multi else chunk
+
+        return chunks()
+
+    def _sync_stream(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+        agen = self._call(self._open_merged(obj))
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self._loop.is_running():
+                self._call(agen.aclose())
+
+    async def _async_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        agen = await asyncio.wrap_future(self._submit(self._open_merged(obj)))
+        try:
+            while True:
+                try:
+                    yield await asyncio.wrap_future(self._submit(agen.__anext__()))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self._loop.is_running():
+                await asyncio.wrap_future(self._submit(agen.aclose()))

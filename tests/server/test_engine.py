@@ -1,0 +1,124 @@
+"""The offline Engine: sync, async and streaming; same outputs as the HTTP server; no
+process outlives shutdown() or an interpreter that exits without calling it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server_launcher import ServerHandle
+
+PARAMS = {"max_new_tokens": 12, "temperature": 0}
+PROMPTS = ["The cat sat", "Engines and servers agree", "x"]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    from tandem import Engine
+
+    eng = Engine(model_path=str(tiny_llama_dir))
+    pids = eng.pids()
+    assert len(pids) == 2
+    yield eng
+    eng.shutdown()
+    assert _wait_gone(pids) == []
+
+
+def test_sync_generate_and_batch(engine):
+    single = engine.generate(PROMPTS[0], PARAMS)
+    assert single["meta_info"]["finish_reason"] is not None and single["output_ids"]
+    batch = engine.generate(PROMPTS, PARAMS)
+    assert [b["output_ids"] for b in batch][0] == single["output_ids"]
+    by_ids = engine.generate(input_ids=[[1, 50, 60, 70]], sampling_params=PARAMS)
+    assert isinstance(by_ids, list) and len(by_ids[0]["output_ids"]) >= 1
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate("bad", {"temperature": -1})
+
+
+def test_streaming_equals_non_streaming(engine):
+    full = engine.generate(PROMPTS[1], PARAMS)
+    chunks = list(engine.generate(PROMPTS[1], PARAMS, stream=True))
+    assert len(chunks) > 1
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+
+
+def test_async_generate_and_stream(engine):
+    async def run():
+        outs = await asyncio.gather(*[engine.async_generate(p, PARAMS) for p in PROMPTS])
+        stream = await engine.async_generate(PROMPTS[2], PARAMS, stream=True)
+        chunks = [c async for c in stream]
+        return outs, chunks
+
+    outs, chunks = asyncio.run(run())
+    sync = engine.generate(PROMPTS, PARAMS)
+    assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in sync]
+    assert chunks[-1]["output_ids"] == sync[2]["output_ids"]
+
+
+def test_logprobs_and_memory_after_early_stream_close(engine):
+    out = engine.generate(PROMPTS[0], PARAMS, return_logprob=True, top_logprobs_num=2)
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    stream = engine.generate("stop early", {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
+    next(stream)
+    stream.close()  # aborts the request
+    deadline = time.monotonic() + 10
+    while True:
+        info = engine.get_server_info()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"]
+
+
+def test_engine_outputs_equal_server_outputs(engine, tiny_llama_dir):
+    expected = [o["output_ids"] for o in engine.generate(PROMPTS, PARAMS)]
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"]) as server:
+        got = [httpx.post(server.base_url + "/generate", json={"text": p, "sampling_params": PARAMS},
+                          timeout=60).json()["output_ids"] for p in PROMPTS]
+    assert got == expected
+
+
+def test_no_process_survives_interpreter_exit_without_shutdown(tiny_llama_dir, tmp_path):
+    script = tmp_path / "use_engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from tandem import Engine
+
+        if __name__ == "__main__":
+            engine = Engine(model_path={str(tiny_llama_dir)!r})
+            out = engine.generate("hi", {{"max_new_tokens": 3, "temperature": 0}})
+            print(json.dumps({{"pids": engine.pids(), "n": len(out["output_ids"])}}), flush=True)
+            # exits without engine.shutdown()
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["n"] == 3 and len(report["pids"]) == 2
+    assert _wait_gone(report["pids"]) == []
