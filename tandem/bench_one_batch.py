@@ -5,9 +5,8 @@ For each batch size it prefills `batch_size` random prompts of `--input-len` tok
 one EXTEND forward, then runs `--output-len - 1` DECODE forwards (greedy, EOS ignored),
 timing each forward including sampling. This is the floor the serving engine's
 overhead is measured against. Batches are built and run with the scheduler's own
-code: `Req` / `ScheduleBatch`, the `Scheduler`'s `prepare_for_extend`,
-`prepare_for_decode` and `release_kv` (called on the runner's pools) and
-`TpModelWorker.forward_batch_generation`. Example::
+code: `Req` / `ScheduleBatch`, the `ReqKVManager` that allocates and releases KV
+(with a cache that reuses nothing), and `TpModelWorker.forward_batch_generation`. Example::
 
     python -m tandem.bench_one_batch --model-path DIR --batch-size 1 16 --input-len 128 --output-len 32
 
@@ -43,21 +42,14 @@ import torch
 
 from tandem.benchmarks.datasets import generate_random_requests, load_token_space
 from tandem.managers.schedule_batch import Req, ScheduleBatch
-from tandem.managers.scheduler import Scheduler
+from tandem.mem_cache.chunk_cache import ChunkCache
+from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.managers.tp_worker import TpModelWorker
 from tandem.model_executor.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import ServerArgs
 
 WARMUP_OUTPUT_LEN = 4
-
-
-@dataclass
-class _Pools:
-    """The two attributes the scheduler's KV bookkeeping methods read from `self`."""
-
-    req_to_token_pool: object
-    token_to_kv_pool: object
 
 
 @dataclass
@@ -79,7 +71,8 @@ class OneBatchBench:
         self.worker = TpModelWorker(server_args)
         runner = self.worker.model_runner
         self.runner = runner
-        self.pools = _Pools(runner.req_to_token_pool, runner.token_to_kv_pool)
+        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool,
+                               ChunkCache(runner.token_to_kv_pool))
         self.space = load_token_space(server_args.tokenizer_path)
         self.seed = seed
 
@@ -95,13 +88,16 @@ class OneBatchBench:
 
     def _step(self, reqs: list[Req], mode: ForwardMode) -> float:
         """Run one forward of `reqs`; append the sampled tokens; return its latency (s)."""
-        batch = ScheduleBatch(reqs=reqs, forward_mode=mode)
         self._sync()
         tic = time.perf_counter()
         if mode.is_extend():
-            Scheduler.prepare_for_extend(self.pools, batch)
+            for req in reqs:
+                self.kv.match_and_lock(req, 0)
+            lens = [len(r.seq_ids) for r in reqs]
+            batch = ScheduleBatch(reqs=reqs, forward_mode=mode, extend_lens=lens,
+                                  out_cache_loc=self.kv.alloc_extend(reqs, lens))
         else:
-            Scheduler.prepare_for_decode(self.pools, batch)
+            batch = ScheduleBatch(reqs=reqs, forward_mode=mode, out_cache_loc=self.kv.alloc_decode(reqs))
         result = self.worker.forward_batch_generation(batch)
         self._sync()
         latency = time.perf_counter() - tic
@@ -117,7 +113,7 @@ class OneBatchBench:
             decodes = [self._step(reqs, ForwardMode.DECODE) for _ in range(output_len - 1)]
         finally:
             for req in reqs:
-                Scheduler.release_kv(self.pools, req)
+                self.kv.release(req)
         total = prefill + sum(decodes)
         median_decode = statistics.median(decodes) if decodes else 0.0
         return OneBatchResult(

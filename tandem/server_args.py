@@ -35,6 +35,10 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     stream_interval: int = 1
     skip_tokenizer_init: bool = False
+    disable_radix_cache: bool = False
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "fcfs"
+    max_queued_requests: int | None = None
     api_key: str | None = None
     chat_template: str | None = None
 
@@ -52,7 +56,11 @@ class ServerArgs:
             raise ValueError(f"--dtype: unsupported value {self.dtype!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static: must be in (0, 1)")
-        for name in ("context_length", "max_running_requests", "max_total_tokens"):
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size: must be positive, or -1 to disable")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
+        for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive")
@@ -84,6 +92,14 @@ class ServerArgs:
         add("--incremental-streaming-output", action="store_true",
             help="Stream only the new text in each /generate chunk instead of the text so far.")
         add("--max-prefill-tokens", type=int, default=16384, help="Most prompt tokens in one prefill batch.")
+        add("--disable-radix-cache", action="store_true",
+            help="Reuse no cached prefixes (a cache with the same interface that keeps nothing).")
+        add("--chunked-prefill-size", type=int, default=2048,
+            help="Prefill prompts longer than this in chunks interleaved with decode steps; -1 disables.")
+        add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
+            help="Order of waiting requests: first come first served, or longest cached prefix first.")
+        add("--max-queued-requests", type=int, default=None,
+            help="Reject new requests with HTTP 503 while this many are waiting.")
         add("--skip-tokenizer-init", action="store_true",
             help="Load no tokenizer: requests carry input_ids, responses carry output_ids only.")
         add("--stream-interval", type=int, default=1, help="Send a streaming chunk every N decode steps.")

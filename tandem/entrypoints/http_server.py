@@ -1,7 +1,7 @@
 """The HTTP server: a FastAPI app over the TokenizerManager, served by uvicorn.
 
 Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
-GET /model_info, GET /server_info, POST /abort_request, and the OpenAI-compatible
+GET /model_info, GET /server_info, POST /abort_request, POST /flush_cache, and the OpenAI-compatible
 routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
 {"error": {"message": ...}} naming the field; the server keeps serving.
 """
@@ -37,12 +37,22 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 def error_response(message: str, status: int = 400) -> Response:
-    kind = "BadRequestError" if status == 400 else "ServerError"
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
     return json_response({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def rejection(outputs: list[dict]) -> tuple[str, int] | None:
+    """(message, status) when the scheduler refused a request outright (e.g. 503 when
+    --max-queued-requests is reached), else None."""
+    for out in outputs:
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("status_code"):
+            return reason["message"], reason["status_code"]
+    return None
 
 
 def sse(obj: Any) -> bytes:
@@ -96,6 +106,14 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         args = {k: v for k, v in server_args.to_dict().items() if k != "api_key"}
         return json_response({**args, **tm.scheduler_info, **dataclasses.asdict(state)})
 
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """Empty the prefix cache; 400 with the reason while requests run or wait."""
+        result = await tm.flush_cache()
+        if not result.success:
+            return error_response(f"cache not flushed: {result.message}", 400)
+        return json_response({"success": True})
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         """{"rid": ...} or {"abort_all": true}: each finishes with finish_reason.type "abort"."""
@@ -136,6 +154,9 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             results = await await_or_disconnect(request, last_outputs(streams))
         except ClientDisconnected:
             return Response(status_code=499)
+        rejected = rejection(results)
+        if rejected is not None:
+            return error_response(*rejected)
         return json_response(results if multi else results[0])
 
     add_openai_routes(app, tm, server_args)

@@ -1,8 +1,9 @@
 """Every message that crosses a process boundary, in one module.
 
 Direction of each message:
-  TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, GetServerStateReq
-  Scheduler -> TokenizerManager:        ServerStateOutput; BatchTokenIDOutput under
+  TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, GetServerStateReq,
+                                        FlushCacheReq
+  Scheduler -> TokenizerManager:        ServerStateOutput, FlushCacheOutput; BatchTokenIDOutput under
                                         --skip-tokenizer-init (no detokenizer runs)
   Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
   DetokenizerManager -> TokenizerManager: BatchStrOutput (one per BatchTokenIDOutput)
@@ -41,6 +42,20 @@ class AbortReq:
     rid: str | None = None
     abort_all: bool = False
     message: str = "aborted"
+
+
+@dataclass
+class FlushCacheReq:
+    """Empty the prefix cache; refused while requests run or wait."""
+
+    request_id: str
+
+
+@dataclass
+class FlushCacheOutput:
+    request_id: str
+    success: bool
+    message: str = ""
 
 
 @dataclass
@@ -96,6 +111,7 @@ class BatchTokenIDOutput:
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    retractions: list[int] = field(default_factory=list)
     # Per request, only when it asked for logprobs (else None): (logprob, token_id)
     # pairs of the new output tokens, their top alternatives, and (in the first
     # output only) the prompt's logprobs from logprob_start_len on.
@@ -121,6 +137,7 @@ class BatchStrOutput:
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    retractions: list[int] = field(default_factory=list)
     output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)

@@ -2,8 +2,11 @@
 
 `Req` lives in the scheduler from admission until it finishes. KV bookkeeping per req:
   req_pool_idx  its row in the ReqToTokenPool (None while waiting)
-  kv_len        tokens whose KV is in the pool (prompt + outputs except the newest)
-The newest output token has no KV yet: the next decode step computes it.
+  kv_len        leading tokens of seq_ids whose KV is in the pool
+While decoding, kv_len == len(seq_ids) - 1: the newest output token has no KV yet; the
+next decode step computes it. A prefill (EXTEND) computes seq_ids[kv_len:kv_len+extend_len]
+(a chunk of the prompt under chunked prefill, or prompt + outputs when a retracted request
+resumes).
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ class Req:
     finished_reason: dict[str, Any] | None = None
     req_pool_idx: int | None = None
     kv_len: int = 0
+    # Prefix-cache state (see mem_cache/req_kv.py): locked node and cache-owned length.
+    last_node: Any = None
+    cache_owned_len: int = 0
     cached_tokens: int = 0
+    # Times this request was retracted (sent back to the queue) under memory pressure.
+    retractions: int = 0
+    # Set once its first prefill has been scheduled (cached_tokens is counted once).
+    admitted_once: bool = False
     # Output ids already sent to the detokenizer; and whether its params were sent.
     sent_len: int = 0
     sent_detokenize_params: bool = False
@@ -75,7 +85,10 @@ class ScheduleBatch:
 
     reqs: list[Req]
     forward_mode: ForwardMode
-    # Filled by prepare_*: KV slots of the new tokens, flattened.
+    # EXTEND: tokens each request computes in this forward (its whole remaining
+    # sequence unless chunked).
+    extend_lens: list[int] | None = None
+    # KV slots of the new tokens, flattened.
     out_cache_loc: torch.Tensor | None = None
 
     def is_empty(self) -> bool:
@@ -90,10 +103,10 @@ class ScheduleBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         prefix_lens, extend_lens, seq_lens = [], [], []
-        for req in self.reqs:
+        for i, req in enumerate(self.reqs):
             seq = req.seq_ids
             if self.forward_mode.is_extend():
-                new = seq[req.kv_len :]
+                new = seq[req.kv_len : req.kv_len + self.extend_lens[i]]
             else:
                 new = seq[-1:]
             prefix_lens.append(req.kv_len)

@@ -3,12 +3,15 @@
 Loop (DESIGN.md §4, the normal loop):
     recv requests -> batch = get_next_batch_to_run() -> result = run_batch(batch)
     -> process_batch_result(batch, result)
-Prefill (EXTEND) batches have priority; otherwise every running request decodes one
-token. Finished requests leave the running set at once and their KV returns to the pool.
+Prefill (EXTEND) batches have priority, except that a decode step of the running
+requests follows every chunk of a chunked prefill, so decode never stalls behind a
+long prompt. Finished requests leave the running set at once; their KV goes to the
+prefix cache (or back to the pool with --disable-radix-cache).
 
-Admission is conservative: a request is admitted only when the free KV slots cover
-its prompt plus every token it and all running requests may still generate, so decode
-never runs out of slots.
+Memory: admission (schedule_policy.py) reserves an estimate of the KV that admitted
+requests will still need. When a decode step finds no free slot anyway, the running
+requests that lose least are retracted: their KV is released (into the prefix cache)
+and they return to the front of the queue with their outputs kept, to resume later.
 """
 
 from __future__ import annotations
@@ -19,20 +22,25 @@ import signal
 import sys
 import traceback
 
-import torch
 import zmq
 
 from tandem.managers.finish_check import FinishChecker
 from tandem.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
+    FlushCacheOutput,
+    FlushCacheReq,
     GetServerStateReq,
     ReadyMessage,
     ServerStateOutput,
     TokenizedGenerateReqInput,
 )
 from tandem.managers.schedule_batch import Req, ScheduleBatch
+from tandem.managers.schedule_policy import NewTokenRatio, SchedulePolicy, expected_future_tokens
 from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from tandem.mem_cache.chunk_cache import ChunkCache
+from tandem.mem_cache.radix_cache import RadixCache
+from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.model_executor.forward_batch import ForwardMode
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -43,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 # How long an idle scheduler blocks waiting for input, in milliseconds.
 IDLE_POLL_MS = 1000
+# Defer a waiting request whose prompt shares at least this many uncached tokens with a
+# request already in the prefill batch: next step it will hit the cache instead.
+IN_BATCH_PREFIX_MIN = 16
 
 
 class Scheduler:
@@ -51,16 +62,25 @@ class Scheduler:
         self.worker = TpModelWorker(server_args, tp_rank=tp_rank)
         runner = self.worker.model_runner
         self.device = runner.device
-        self.req_to_token_pool = runner.req_to_token_pool
-        self.token_to_kv_pool = runner.token_to_kv_pool
         self.max_running_requests = runner.max_running_requests
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.context_len = runner.context_len
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
-        self.finish_checker = FinishChecker(self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
+        self.finish_checker = FinishChecker(
+            self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
+
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(runner.token_to_kv_pool)
+        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree_cache)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.kv)
+        self.new_token_ratio = NewTokenRatio()
+        self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
+        # The request whose prompt is being prefilled chunk by chunk (not yet running).
+        self.chunked_req: Req | None = None
+        self.last_batch_was_chunk = False
 
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
@@ -102,6 +122,8 @@ class Scheduler:
                 self.handle_abort(msg)
             elif isinstance(msg, GetServerStateReq):
                 zmq_io.send(self.send_to_tokenizer, self.server_state(msg.request_id))
+            elif isinstance(msg, FlushCacheReq):
+                zmq_io.send(self.send_to_tokenizer, self.flush_cache(msg.request_id))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -109,28 +131,36 @@ class Scheduler:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   stream=msg.stream, return_logprob=msg.return_logprob,
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num)
-        sp = req.sampling_params
-        # The tokenizer manager has rejected prompts that cannot fit the context.
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len)
-        if req.prompt_len + sp.max_new_tokens > self.max_total_num_tokens:
-            req.finished_reason = {"type": "abort", "message": (
-                f"the request needs {req.prompt_len + sp.max_new_tokens} KV slots, more than the "
-                f"{self.max_total_num_tokens} the server has (raise --max-total-tokens or lower max_new_tokens)")}
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) >= limit:
+            req.finished_reason = {"type": "abort", "status_code": 503,
+                                   "message": f"the server is busy: {limit} requests are already waiting"}
             self.send_outputs([req])
             return
+        sp = req.sampling_params
+        # The tokenizer manager has rejected prompts that cannot fit the context or the
+        # KV pool; the output is capped so that one request alone always fits both.
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len,
+                                self.max_total_num_tokens - req.prompt_len)
         self.waiting_queue.append(req)
 
     def server_state(self, request_id: str) -> ServerStateOutput:
         return ServerStateOutput(
             request_id=request_id,
             max_total_num_tokens=self.max_total_num_tokens,
-            free_kv_slots=self.token_to_kv_pool.available_size(),
-            evictable_cached_slots=0,
-            protected_cached_slots=0,
-            num_running_reqs=len(self.running),
+            free_kv_slots=self.kv.token_to_kv_pool.available_size(),
+            evictable_cached_slots=self.tree_cache.evictable_size(),
+            protected_cached_slots=self.tree_cache.protected_size(),
+            num_running_reqs=len(self.running) + (self.chunked_req is not None),
             num_waiting_reqs=len(self.waiting_queue),
-            free_req_rows=self.req_to_token_pool.available_size(),
+            free_req_rows=self.kv.req_to_token_pool.available_size(),
         )
+
+    def flush_cache(self, request_id: str) -> FlushCacheOutput:
+        if self.running or self.waiting_queue or self.chunked_req is not None:
+            return FlushCacheOutput(request_id, False, "cannot flush the cache while requests are running or waiting")
+        self.tree_cache.reset()
+        return FlushCacheOutput(request_id, True)
 
     def handle_abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
@@ -140,85 +170,154 @@ class Scheduler:
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
         for req in aborted:
             req.finished_reason = {"type": "abort", "message": msg.message}
+            self.kv.release(req)  # a retracted request holds no KV; this is a no-op then
         if aborted:
             self.send_outputs(aborted)
-        for req in self.running:
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if match(req):
                 req.to_abort = msg.message
 
     # ---- batching ------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        prefill = self.get_new_prefill_batch()
+        decode_due = self.last_batch_was_chunk and self.running
+        prefill = None if decode_due else self.get_new_prefill_batch()
+        self.last_batch_was_chunk = False
         if prefill is not None:
+            self.last_batch_was_chunk = self.chunked_req is not None
             return prefill
         if not self.running:
             return None
-        batch = ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE)
-        self.prepare_for_decode(batch)
-        return batch
+        return self.prepare_decode_batch()
 
-    def _reserved_tokens(self) -> int:
-        """KV slots the running requests may still need for their remaining tokens."""
-        return sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in self.running)
+    def _future_need(self, req: Req) -> int:
+        """KV `req` is expected to still take: its uncomputed sequence plus expected outputs."""
+        return len(req.seq_ids) - req.kv_len + expected_future_tokens(req, self.new_token_ratio.value)
 
     def get_new_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting_queue:
+        """Continue the chunked request, then admit waiting requests while KV fits.
+
+        Budget = free + evictable slots, minus what the running requests and the chunked
+        request are expected to still need; each admitted request must fit in what is left.
+        """
+        if self.chunked_req is None and not self.waiting_queue:
             return None
-        budget = self.token_to_kv_pool.available_size() - self._reserved_tokens()
-        prefill_tokens = 0
-        admitted: list[Req] = []
-        for req in self.waiting_queue:
-            if len(self.running) + len(admitted) >= self.max_running_requests:
+        reserved = sum(expected_future_tokens(r, self.new_token_ratio.value) for r in self.running)
+        token_budget = self.server_args.max_prefill_tokens
+        reqs: list[Req] = []
+        extend_lens: list[int] = []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            reserved += self._future_need(req)
+            extend_lens.append(self._extend_len(req, token_budget))
+            reqs.append(req)
+            token_budget -= extend_lens[0]
+            if extend_lens[0] < len(req.seq_ids) - req.kv_len:
+                token_budget = 0  # still chunking: nothing else joins
+        for req in self.policy.order(self.waiting_queue):
+            if token_budget <= 0 or len(self.running) + len(reqs) >= self.max_running_requests:
                 break
-            if self.req_to_token_pool.available_size() <= len(admitted):
+            if self.kv.req_to_token_pool.available_size() == 0:
                 break
-            extend_len = len(req.seq_ids) - req.kv_len
-            need = extend_len + req.sampling_params.max_new_tokens - len(req.output_ids)
-            if need > budget:
+            if not isinstance(self.tree_cache, ChunkCache) and self._shares_uncached_prefix(req, reqs):
+                continue  # next step it reuses the prefix this batch computes
+            prefix_len = self.kv.match_and_lock(req, self._max_prefix_len(req))
+            need = self._future_need(req)
+            if need > self.kv.available_size() - reserved and (reqs or self.running):
+                self.kv.unlock(req)
                 break
-            if admitted and prefill_tokens + extend_len > self.server_args.max_prefill_tokens:
+            if not req.admitted_once:
+                req.cached_tokens = prefix_len
+                req.admitted_once = True
+            n = self._extend_len(req, token_budget)
+            reqs.append(req)
+            extend_lens.append(n)
+            reserved += need
+            token_budget -= n
+            if n < len(req.seq_ids) - req.kv_len:  # chunked: the rest follows in later steps
+                self.chunked_req = req
                 break
-            admitted.append(req)
-            budget -= need
-            prefill_tokens += extend_len
-        if not admitted:
+        if not reqs:
             return None
-        self.waiting_queue = self.waiting_queue[len(admitted):]
-        batch = ScheduleBatch(reqs=admitted, forward_mode=ForwardMode.EXTEND)
-        self.prepare_for_extend(batch)
+        taken = {id(r) for r in reqs}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in taken]
+        batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=extend_lens)
+        batch.out_cache_loc = self.kv.alloc_extend(reqs, extend_lens)
         return batch
 
-    def prepare_for_extend(self, batch: ScheduleBatch) -> None:
-        locs = []
-        for req in batch.reqs:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc()
-            extend_len = len(req.seq_ids) - req.kv_len
-            slots = self.token_to_kv_pool.alloc(extend_len)
-            assert slots is not None, "admission guaranteed these slots"
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
-            locs.append(slots)
-        batch.out_cache_loc = torch.cat(locs)
+    def _extend_len(self, req: Req, token_budget: int) -> int:
+        """Tokens `req` computes in this prefill: all that remain, unless chunked."""
+        remaining = len(req.seq_ids) - req.kv_len
+        if self.chunk_size is None or req.wants_input_logprobs():
+            return remaining  # NOTE: prompt logprobs need the whole prompt in one forward
+        return max(1, min(remaining, self.chunk_size, token_budget))
 
-    def prepare_for_decode(self, batch: ScheduleBatch) -> None:
-        slots = self.token_to_kv_pool.alloc(batch.batch_size())
-        assert slots is not None, "admission guaranteed these slots"
-        for i, req in enumerate(batch.reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
-        batch.out_cache_loc = slots
+    @staticmethod
+    def _max_prefix_len(req: Req) -> int:
+        """Longest cached prefix worth reusing: never the whole sequence (the last token
+        must be computed for its logits), nor past where prompt logprobs start."""
+        limit = len(req.seq_ids) - 1
+        if req.wants_input_logprobs():
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    def _shares_uncached_prefix(self, req: Req, batch_reqs: list[Req]) -> bool:
+        ids = req.seq_ids
+        for other in batch_reqs:
+            other_ids = other.seq_ids
+            n = min(len(ids) - 1, len(other_ids), IN_BATCH_PREFIX_MIN * 64)
+            k = 0
+            while k < n and ids[k] == other_ids[k]:
+                k += 1
+            if k >= IN_BATCH_PREFIX_MIN and k > other.kv_len:
+                return True
+        return False
+
+    def prepare_decode_batch(self) -> ScheduleBatch | None:
+        """A decode batch of the running requests, retracting some if memory is short."""
+        self.new_token_ratio.step()
+        while True:
+            slots = self.kv.alloc_decode(self.running)
+            if slots is not None:
+                return ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, out_cache_loc=slots)
+            if len(self.running) == 1:
+                raise RuntimeError("out of KV memory with a single running request; --max-total-tokens too small")
+            self.retract_one()
+
+    def retract_one(self) -> None:
+        """Send back the running request that loses least: fewest generated tokens, then
+        the longest prompt (it frees the most). Its outputs are kept; it resumes later."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.retractions += 1
+        self.waiting_queue.insert(0, victim)
+        self.new_token_ratio.on_retract()
+        logger.info("retracted request %s (%d outputs) under memory pressure", victim.rid, len(victim.output_ids))
 
     # ---- running -------------------------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         return self.worker.forward_batch_generation(batch)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        extend = batch.forward_mode.is_extend()
         for i, (req, token_id) in enumerate(zip(batch.reqs, result.next_token_ids)):
-            req.kv_len = len(req.seq_ids)
-            if batch.forward_mode.is_extend() and result.input_logprobs and result.input_logprobs[i] is not None:
+            req.kv_len += batch.extend_lens[i] if extend else 1
+            if extend and result.input_logprobs and result.input_logprobs[i] is not None:
                 self._record_input_logprobs(req, result.input_logprobs[i])
-            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. input logprobs)
+            if extend and req.kv_len < len(req.seq_ids):  # a chunk of a longer prompt
+                self.kv.cache_unfinished(req)
+                if req.to_abort is not None:
+                    req.finished_reason = {"type": "abort", "message": req.to_abort}
+                    self.chunked_req = None
+                    self.kv.release(req)
+                continue
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if extend:
+                self.kv.cache_unfinished(req)
+            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs)
                 req.finished_reason = {"type": "length", "length": 0}
-                self.release_kv(req)
+                self.kv.release(req)
                 continue
             req.output_ids.append(token_id)
             if req.return_logprob:
@@ -229,9 +328,9 @@ class Scheduler:
             else:
                 req.finished_reason = self.finish_checker.check(req)
             if req.finished():
-                self.release_kv(req)
-        if batch.forward_mode.is_extend():
-            self.running.extend(r for r in batch.reqs if not r.finished())
+                self.kv.release(req)
+            elif extend:
+                self.running.append(req)
         self.running = [r for r in self.running if not r.finished()]
         self.send_outputs(batch.reqs)
 
@@ -241,15 +340,6 @@ class Scheduler:
         req.input_token_logprobs = list(zip(logprobs.token_logprobs, ids))
         req.input_top_logprobs = logprobs.top_logprobs
 
-    def release_kv(self, req: Req) -> None:
-        row = req.req_pool_idx
-        if row is None:
-            return
-        self.token_to_kv_pool.free(self.req_to_token_pool.req_to_token[row, : req.kv_len].clone())
-        self.req_to_token_pool.free(row)
-        req.req_pool_idx = None
-        req.kv_len = 0
-
     # ---- output --------------------------------------------------------------------
     def send_outputs(self, reqs: list[Req]) -> None:
         """One BatchTokenIDOutput for every request that has something to report."""
@@ -257,8 +347,8 @@ class Scheduler:
         interval = self.server_args.stream_interval
         for req in reqs:
             new_len = len(req.output_ids) - req.sent_len
-            due = req.finished() or (req.stream and (req.sent_len == 0 or new_len >= interval))
-            if not due or (new_len == 0 and not req.finished()):
+            due = req.finished() or (req.stream and new_len > 0 and (req.sent_len == 0 or new_len >= interval))
+            if not due:
                 continue
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_len :])
@@ -267,6 +357,7 @@ class Scheduler:
             out.prompt_tokens.append(req.prompt_len)
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)
+            out.retractions.append(req.retractions)
             self._add_logprobs(out, req)
             req.sent_len = len(req.output_ids)
             req.sent_detokenize_params = True

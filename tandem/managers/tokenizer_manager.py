@@ -25,6 +25,8 @@ from tandem.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    FlushCacheOutput,
+    FlushCacheReq,
     GenerateReqInput,
     GetServerStateReq,
     ServerStateOutput,
@@ -66,7 +68,7 @@ class TokenizerManager:
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
-        self._state_waiters: dict[str, asyncio.Future] = {}
+        self._control_waiters: dict[str, asyncio.Future] = {}
         ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
         self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer, bind=True)
@@ -162,6 +164,12 @@ class TokenizerManager:
             input_ids = self.tokenizer.encode(obj.text)
             if not input_ids:
                 raise ValueError("text: the prompt tokenizes to no tokens")
+        max_tokens = self.scheduler_info["max_total_num_tokens"]
+        if len(input_ids) + 1 > max_tokens:
+            raise ValueError(
+                f"text/input_ids: the prompt has {len(input_ids)} tokens; the KV cache holds only "
+                f"{max_tokens} (--max-total-tokens), so it can never run"
+            )
         if len(input_ids) >= self.context_len:
             raise ValueError(
                 f"text/input_ids: the prompt has {len(input_ids)} tokens, the context length is "
@@ -187,15 +195,23 @@ class TokenizerManager:
         zmq_io.send(self.send_to_scheduler, AbortReq(rid=rid, abort_all=abort_all))
 
     async def get_server_state(self, timeout: float = 10.0) -> ServerStateOutput:
+        """Live scheduler counts (memory, queue lengths)."""
+        return await self._control_call(GetServerStateReq(request_id=uuid.uuid4().hex), timeout)
+
+    async def flush_cache(self, timeout: float = 10.0) -> FlushCacheOutput:
+        """Empty the prefix cache; the scheduler refuses while requests run or wait."""
+        return await self._control_call(FlushCacheReq(request_id=uuid.uuid4().hex), timeout)
+
+    async def _control_call(self, msg: GetServerStateReq | FlushCacheReq, timeout: float) -> Any:
+        """Send a control request; await the scheduler's reply with the same request_id."""
         self._ensure_handle_loop()
-        request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
-        self._state_waiters[request_id] = future
-        zmq_io.send(self.send_to_scheduler, GetServerStateReq(request_id=request_id))
+        self._control_waiters[msg.request_id] = future
+        zmq_io.send(self.send_to_scheduler, msg)
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
-            self._state_waiters.pop(request_id, None)
+            self._control_waiters.pop(msg.request_id, None)
 
     async def close(self) -> None:
         """Stop the receive loops (call on the manager's event loop before it stops)."""
@@ -218,8 +234,8 @@ class TokenizerManager:
             msg = await zmq_io.recv_async(sock)
             if isinstance(msg, (BatchStrOutput, BatchTokenIDOutput)):
                 self._handle_batch_output(msg)
-            elif isinstance(msg, ServerStateOutput):
-                future = self._state_waiters.get(msg.request_id)
+            elif isinstance(msg, (ServerStateOutput, FlushCacheOutput)):
+                future = self._control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
             else:
@@ -253,6 +269,7 @@ class TokenizerManager:
                 "prompt_tokens": msg.prompt_tokens[i],
                 "completion_tokens": msg.completion_tokens[i],
                 "cached_tokens": msg.cached_tokens[i],
+                "retractions": msg.retractions[i],
                 "e2e_latency": now - state.created,
             }
             state.pending.append((text, msg.new_token_ids[i], deltas, meta))

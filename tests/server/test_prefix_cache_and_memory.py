@@ -1,0 +1,146 @@
+"""Radix prefix cache, chunked prefill, scheduling policies and memory pressure (#5):
+outputs never change when these are toggled, cached_tokens is what a user expects, and
+the server survives running out of KV memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from server_launcher import ServerHandle
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+SYSTEM = ("You are a helpful assistant who answers questions about the weather, the sea, "
+          "and small animals in a friendly and careful way. ")
+PROMPTS = [SYSTEM + q for q in ["What is rain?", "Why is the sea salty?", "Do cats like boats?",
+                                "Tell me about clouds.", "What do rabbits eat?", "Is fog cold?"]]
+PROMPTS += ["A completely different prompt with no shared prefix at all.", SYSTEM]
+
+
+async def _concurrent(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        return await asyncio.gather(*[client.post("/generate", json=b) for b in bodies])
+
+
+def run_all(base_url: str, prompts: list[str], params: dict) -> list[dict]:
+    responses = asyncio.run(_concurrent(base_url, [{"text": p, "sampling_params": params} for p in prompts]))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    return [r.json() for r in responses]
+
+
+def assert_idle_invariant(base_url: str) -> dict:
+    deadline = time.monotonic() + 20
+    while True:
+        info = httpx.get(base_url + "/server_info").json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"], info
+    assert info["protected_cached_slots"] == 0, info
+    return info
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Outputs of the default server (radix cache, chunked prefill 2048, fcfs), one at a time."""
+    with ServerHandle(tiny_llama_dir) as server:
+        outs = [run_all(server.base_url, [p], GREEDY)[0] for p in PROMPTS]
+        yield server, [o["output_ids"] for o in outs]
+
+
+def test_cached_tokens_and_flush(reference, tiny_llama_dir):
+    server, _ = reference
+    base = server.base_url
+    assert httpx.post(base + "/flush_cache").status_code == 200
+    prompt = PROMPTS[0] + " again"
+    first = run_all(base, [prompt], GREEDY)[0]
+    second = run_all(base, [prompt], GREEDY)[0]
+    n = first["meta_info"]["prompt_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == n - 1  # all but the last prompt token
+    assert second["output_ids"] == first["output_ids"]
+    assert httpx.post(base + "/flush_cache").status_code == 200
+    assert assert_idle_invariant(base)["evictable_cached_slots"] == 0
+    third = run_all(base, [prompt], GREEDY)[0]
+    assert third["meta_info"]["cached_tokens"] == 0
+    # A shared system prompt is reused by a different question.
+    other = run_all(base, [PROMPTS[0].replace("rain", "snow")], GREEDY)[0]
+    assert other["meta_info"]["cached_tokens"] >= len(SYSTEM.split()) // 2
+
+
+def test_flush_refused_while_running(reference):
+    server, _ = reference
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            long = asyncio.create_task(client.post("/generate", json={
+                "text": "keep going", "sampling_params": {"max_new_tokens": 1800, "ignore_eos": True}}))
+            while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
+                await asyncio.sleep(0.05)
+            flush = await client.post("/flush_cache")
+            return flush, await long
+
+    flush, long = asyncio.run(run())
+    assert flush.status_code == 400 and "running" in flush.json()["error"]["message"]
+    assert long.status_code == 200
+    assert_idle_invariant(server.base_url)
+
+
+def test_concurrent_shared_prefixes_match_sequential(reference):
+    server, expected = reference
+    outs = run_all(server.base_url, PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+    assert_idle_invariant(server.base_url)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--disable-radix-cache"],
+    ["--chunked-prefill-size", "16"],
+    ["--chunked-prefill-size", "7", "--schedule-policy", "lpm"],
+    ["--chunked-prefill-size", "-1", "--schedule-policy", "lpm"],
+    ["--disable-radix-cache", "--chunked-prefill-size", "5"],
+])
+def test_outputs_do_not_change_with_features(reference, tiny_llama_dir, flags):
+    _, expected = reference
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", *flags]) as server:
+        outs = run_all(server.base_url, PROMPTS, GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+        if "--disable-radix-cache" in flags:
+            assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+        assert_idle_invariant(server.base_url)
+
+
+def test_small_kv_pool_retracts_and_completes(reference, tiny_llama_dir):
+    _, expected = reference
+    params = {**GREEDY, "max_new_tokens": 60, "ignore_eos": True}
+    prompts = [f"{p} Request {i}." for i, p in enumerate(PROMPTS * 2)]
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"]) as big:
+        singles = [run_all(big.base_url, [p], params)[0]["output_ids"] for p in prompts]
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-total-tokens", "400",
+                                                  "--chunked-prefill-size", "32"]) as server:
+        outs = run_all(server.base_url, prompts, params)
+        assert [o["output_ids"] for o in outs] == singles
+        assert sum(o["meta_info"]["retractions"] for o in outs) > 0, "the pool was meant to run out"
+        assert_idle_invariant(server.base_url)
+        # A prompt longer than the whole pool is refused at once, and the server goes on.
+        r = httpx.post(server.base_url + "/generate", json={"text": "word " * 500}, timeout=30)
+        assert r.status_code == 400 and "KV" in r.json()["error"]["message"]
+        assert run_all(server.base_url, [PROMPTS[0]], GREEDY)[0]["output_ids"] == expected[0]
+
+
+def test_max_queued_requests_gives_503(tiny_llama_dir):
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-running-requests", "1",
+                                                  "--max-queued-requests", "1"]) as server:
+        bodies = [{"text": f"queue {i}", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+                  for i in range(5)]
+        responses = asyncio.run(_concurrent(server.base_url, bodies))
+        codes = sorted(r.status_code for r in responses)
+        assert 503 in codes and 200 in codes
+        assert all("busy" in r.json()["error"]["message"] for r in responses if r.status_code == 503)
+        assert all(len(r.json()["output_ids"]) == 200 for r in responses if r.status_code == 200)
+        assert_idle_invariant(server.base_url)
