@@ -56,6 +56,10 @@ class ServerArgs:
             raise ValueError(f"--dtype: unsupported value {self.dtype!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static: must be in (0, 1)")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval: must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens: must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 to disable")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -80,7 +84,7 @@ class ServerArgs:
         add("--context-length", type=int, default=None,
             help="Longest prompt + output in tokens (default: the model's max_position_embeddings).")
         add("--max-running-requests", type=int, default=None,
-            help="Most requests decoded together (default: derived from the KV capacity).")
+            help="Most requests decoded together (default: 256, capped by the KV capacity).")
         add("--max-total-tokens", type=int, default=None,
             help="KV cache capacity in tokens (default: from --mem-fraction-static).")
         add("--mem-fraction-static", type=float, default=None,
@@ -104,7 +108,7 @@ class ServerArgs:
             help="Load no tokenizer: requests carry input_ids, responses carry output_ids only.")
         add("--stream-interval", type=int, default=1, help="Send a streaming chunk every N decode steps.")
         add("--api-key", default=None,
-            help="Require 'Authorization: Bearer KEY' on every route except /health, /health_generate, /metrics.")
+            help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.")
         add("--chat-template", default=None,
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
 

@@ -104,7 +104,8 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         except asyncio.TimeoutError:
             return error_response("the scheduler did not answer", 503)
         args = {k: v for k, v in server_args.to_dict().items() if k != "api_key"}
-        return json_response({**args, **tm.scheduler_info, **dataclasses.asdict(state)})
+        live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
+        return json_response({**args, **tm.scheduler_info, **live})
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -196,7 +197,7 @@ def launch_server(server_args: ServerArgs) -> None:
         tm = TokenizerManager(server_args, procs.port_args, procs.scheduler_info)
         app = create_app(tm, server_args)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level if server_args.log_level != "debug" else "debug",
+                                log_level=server_args.log_level,
                                 timeout_keep_alive=5, access_log=False)
         uvicorn.Server(config).run()
     finally:

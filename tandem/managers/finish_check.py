@@ -8,8 +8,8 @@ from tandem.managers.schedule_batch import Req
 
 
 class FinishChecker:
-    """Stop conditions in the order SGLang applies them: stop token ids, EOS, length,
-    then stop strings (found by decoding only the tail of the output)."""
+    """Stop conditions in the order SGLang applies them: length, then stop token ids and
+    EOS, then stop strings (found by decoding only the tail of the output)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
@@ -18,12 +18,12 @@ class FinishChecker:
     def check(self, req: Req) -> dict[str, Any] | None:
         sp = req.sampling_params
         last = req.output_ids[-1]
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
         if last in sp.stop_token_ids:
             return {"type": "stop", "matched": last}
         if not sp.ignore_eos and last in self.eos_token_ids:
             return {"type": "stop", "matched": last}
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": sp.max_new_tokens}
         if sp.stop and self.tokenizer is not None:  # no stop strings without a tokenizer
             # A stop string of B UTF-8 bytes spans at most B tokens (+1 partial token).
             window = max(len(s.encode("utf-8")) for s in sp.stop) + 1

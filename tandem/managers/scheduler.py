@@ -164,7 +164,8 @@ class Scheduler:
 
     def handle_abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
-            return msg.abort_all or req.rid == msg.rid
+            # The samples of an n > 1 request carry rids "{rid}-{i}".
+            return msg.abort_all or req.rid == msg.rid or req.rid.rsplit("-", 1)[0] == msg.rid
 
         aborted = [r for r in self.waiting_queue if match(r)]
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]

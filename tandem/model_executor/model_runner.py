@@ -85,7 +85,7 @@ class ModelRunner:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise --max-total-tokens")
         self.max_total_num_tokens = total
         self.max_running_requests = min(max_running, total)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 4, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
         self.token_to_kv_pool = TokenToKVPool(total, self.num_layers, self.num_kv_heads, self.head_dim,
                                               self.dtype, self.device)
         logger.info("KV cache: %d tokens (%.1f MB), max running requests %d",
