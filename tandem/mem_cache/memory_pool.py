@@ -75,5 +75,5 @@ class TokenToKVPool:
             self._free_slots = torch.cat([self._free_slots, slots.to(self._free_slots.device)])
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][slots] = k.to(self.dtype)
-        self.v_buffer[layer_id][slots] = v.to(self.dtype)
+        self.k_buffer[layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, slots, v.to(self.dtype))

@@ -16,22 +16,28 @@ from server_launcher import ServerHandle
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_ends_every_process(tiny_llama_dir, sig):
     server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"])
-    children = server.child_pids()
-    assert len(children) >= 2, "scheduler and detokenizer should be running"
-    r = httpx.post(server.base_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 200
-    assert server.stop(sig=sig, check=False) == []
+    try:
+        children = server.child_pids()
+        assert len(children) >= 2, "scheduler and detokenizer should be running"
+        r = httpx.post(server.base_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+    finally:
+        survivors = server.stop(sig=sig, check=False)
+    assert survivors == []
     assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_scheduler_death_takes_the_server_down(tiny_llama_dir):
     server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"])
-    children = psutil.Process(server.proc.pid).children(recursive=True)
-    spawned = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
-    assert len(spawned) == 2, "scheduler and detokenizer"
-    os.kill(spawned[0].pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while server.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert server.proc.poll() is not None, "main process kept running after a child died"
-    assert server.stop(check=False) == []
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        spawned = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(spawned) == 2, "scheduler and detokenizer"
+        os.kill(spawned[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.poll() is not None, "main process kept running after a child died"
+    finally:
+        survivors = server.stop(check=False)
+    assert survivors == []

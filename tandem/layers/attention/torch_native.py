@@ -1,7 +1,14 @@
 """Attention in plain PyTorch over the paged KV pool: runs on any device.
 
-Requests are ragged: each is handled with its own slice of queries and its own KV
-length, so no request is padded to the longest one in the batch.
+Requests are ragged and never padded to the longest one in the batch:
+- EXTEND: each request attends with its own slice of queries over its own KV length
+  (prefill is dominated by matmuls, so a loop over requests costs little).
+- DECODE: one query per request, a handful of kernels per layer whatever the batch size.
+  When lengths are similar, each request's keys are gathered into a [bs, max_len] block
+  with a length mask and one SDPA call runs (fastest on CPU). When they are very uneven,
+  the keys of all requests go on one flat axis tagged with their request and the softmax
+  is taken per segment (scatter/index_add), so no key is read twice or padded.
+  Gathers use index_select: on CPU it is several times faster than advanced indexing.
 """
 
 from __future__ import annotations
@@ -20,6 +27,70 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.kv_pool = token_to_kv_pool
 
     def forward(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+        if forward_batch.forward_mode.is_decode():
+            return self._decode(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
+        return self._extend(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
+
+    def _decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+        if self._padded_waste_ok(fb):
+            return self._decode_blocked(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
+        return self._decode_segmented(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
+
+    @staticmethod
+    def _padded_waste_ok(fb: ForwardBatch) -> bool:
+        """Blocked decode reads max_len keys per request; worth it unless that more than
+        doubles the keys read (very uneven lengths), where the segmented path wins."""
+        return fb.batch_size * max(fb.seq_lens_cpu) <= 2 * sum(fb.seq_lens_cpu)
+
+    def _decode_blocked(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+        """Keys gathered as a [bs, max_len] block with a length mask, one SDPA call.
+
+        Only the key axis of attention is blocked; the model never computes padded tokens."""
+        bs = fb.batch_size
+        table, valid = self._kv_table(fb)
+        max_len = table.shape[1]
+        flat = table.reshape(-1)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
+        k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.view(bs, num_heads, 1, head_dim), k, v,
+                                             attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling,
+                                             enable_gqa=num_heads != num_kv_heads)
+        return out.reshape(bs, num_heads * head_dim)
+
+    def _kv_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[bs, max_len] KV slots of each request (slot 0 past its end) and the validity mask.
+
+        Computed once per forward and shared by every layer."""
+        cached = getattr(fb, "_kv_table", None)
+        if cached is None:
+            max_len = max(fb.seq_lens_cpu)
+            valid = torch.arange(max_len, device=fb.seq_lens.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+            table = self.req_to_token[fb.req_pool_indices, :max_len].masked_fill(~valid, 0)
+            cached = fb._kv_table = (table, valid)
+        return cached
+
+    def _decode_segmented(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+        """Keys of all requests on one flat axis, softmax per request segment (no padding)."""
+        bs, group = fb.batch_size, num_heads // num_kv_heads
+        table, valid = self._kv_table(fb)
+        slots = table[valid]
+        seg = torch.arange(bs, device=q.device).repeat_interleave(fb.seq_lens)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, slots).float()  # [T, KVH, D]
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, slots).float()
+        qg = q.view(bs, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("tkd,tkgd->tkg", k, torch.index_select(qg, 0, seg)) * scaling  # [T, KVH, G]
+        shape = (bs, num_kv_heads, group)
+        peak = torch.full(shape, float("-inf"), device=q.device).scatter_reduce_(
+            0, seg.view(-1, 1, 1).expand_as(scores), scores, "amax")
+        weights = torch.exp(scores - torch.index_select(peak, 0, seg))
+        denom = torch.zeros(shape, device=q.device).index_add_(0, seg, weights)
+        out = torch.zeros((*shape, head_dim), device=q.device).index_add_(
+            0, seg, weights.unsqueeze(-1) * v.unsqueeze(2))
+        return (out / denom.unsqueeze(-1)).to(q.dtype).reshape(bs, num_heads * head_dim)
+
+    def _extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
         k_cache = self.kv_pool.k_buffer[layer_id]
