@@ -11,6 +11,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop any server a failed test left running."""
+    from server_launcher import LIVE
+
+    for handle in list(LIVE):
+        handle.stop(check=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     from tandem.tools.make_tiny_model import make_tiny_model

@@ -17,6 +17,10 @@ from tandem.utils.process import free_port
 
 LOG_DIR = Path(os.environ.get("TANDEM_TEST_LOG_DIR", "/tmp/tandem-test-logs"))
 
+# Servers started and not yet stopped; conftest stops any left at the end of the session
+# (a test that failed before its own cleanup), so no test run leaks a process.
+LIVE: set["ServerHandle"] = set()
+
 
 class ServerHandle:
     def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0):
@@ -29,6 +33,7 @@ class ServerHandle:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.pids: set[int] = {self.proc.pid}
+        LIVE.add(self)
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -64,6 +69,7 @@ class ServerHandle:
 
         With `check`, raise AssertionError if any of the server's processes survived.
         """
+        LIVE.discard(self)
         self.pids |= self.child_pids()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -34,6 +34,9 @@ from tandem.utils.process import configure_logging, kill_process_tree
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# On SIGTERM/SIGINT uvicorn stops accepting connections and lets running requests finish,
+# for at most this long; then every process of the server ends.
+GRACEFUL_SHUTDOWN_S = 30
 
 
 def error_response(message: str, status: int = 400) -> Response:
@@ -198,7 +201,8 @@ def launch_server(server_args: ServerArgs) -> None:
         app = create_app(tm, server_args)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level,
-                                timeout_keep_alive=5, access_log=False)
+                                timeout_keep_alive=5, access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         uvicorn.Server(config).run()
     finally:
         procs.shutdown()

@@ -1,9 +1,11 @@
 """Sockets and serialization for the pipes between processes, in one place.
 
 Messages are the dataclasses of `tandem.managers.io_struct`, pickled (protocol 5).
-Pickle was chosen because it handles nested dataclasses with no schema code and is
-fast enough at these message sizes (a few KB per scheduler step); swapping it means
-changing `dumps`/`loads` here only.
+Measured for a BatchTokenIDOutput of 64 requests (one decode step) on the 2-core dev
+machine: pickle 10 us encode + 14 us decode (3.8 KB); msgspec msgpack with a typed
+decoder 3 us + 9 us (3.2 KB). Both are under 0.3% of a ~10 ms decode step, so pickle
+stays: it needs no schema and carries tuples and nested dataclasses as they are.
+Swapping it means changing `dumps`/`loads` here only.
 """
 
 from __future__ import annotations
