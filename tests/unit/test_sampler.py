@@ -1,0 +1,49 @@
+"""The sampler: greedy, the top-k / top-p / min-p filters, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.sampler import Sampler, SamplingBatchInfo, _filter_probs
+from tandem.sampling.sampling_params import SamplingParams
+
+
+def info(params: list[SamplingParams], vocab: int = 6, output_lens: list[int] | None = None) -> SamplingBatchInfo:
+    return SamplingBatchInfo.from_params(params, output_lens or [0] * len(params), vocab, "cpu")
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    out = Sampler(0, "cpu")(logits, info([SamplingParams(temperature=0)] * 2, vocab=3))
+    assert out.tolist() == [1, 0]
+
+
+def test_filters():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    keep = lambda k, p, m: (_filter_probs(probs, torch.tensor([k]), torch.tensor([p]), torch.tensor([m])) > 0)[0].tolist()
+    assert keep(2, 1.0, 0.0) == [True, True, False, False]
+    assert keep(4, 0.7, 0.0) == [True, True, False, False]  # 0.5 < 0.7, then 0.8 >= 0.7
+    assert keep(4, 0.45, 0.0) == [True, False, False, False]
+    assert keep(4, 1.0, 0.5) == [True, True, False, False]  # >= 0.5 * 0.5
+    assert keep(4, 1.0, 0.0) == [True, True, True, True]
+
+
+def test_sampling_respects_top_k():
+    logits = torch.zeros(1, 6)
+    logits[0, 4] = 2.0
+    logits[0, 2] = 1.9
+    sampler = Sampler(0, "cpu")
+    seen = {sampler(logits, info([SamplingParams(temperature=1.0, top_k=2)])).item() for _ in range(200)}
+    assert seen == {2, 4}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    seeded = SamplingParams(temperature=1.0, sampling_seed=42)
+    a = Sampler(1, "cpu")(logits[:1], info([seeded], vocab=50, output_lens=[5]))
+    b = Sampler(2, "cpu")(logits, info([seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)],
+                                       vocab=50, output_lens=[5, 0, 3]))
+    assert a[0] == b[0]
+    draws = {Sampler(0, "cpu")(logits[:1], info([seeded], vocab=50, output_lens=[n])).item() for n in range(30)}
+    assert len(draws) > 1, "the step index must vary the draw"

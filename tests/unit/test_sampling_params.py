@@ -1,0 +1,77 @@
+"""Sampling-parameter validation: defaults, coercions, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.managers.io_struct import GenerateReqInput
+from tandem.sampling.sampling_params import SamplingParams
+
+
+def test_defaults_and_coercions():
+    p = SamplingParams.from_dict(None)
+    assert p.max_new_tokens == 128 and p.temperature == 1.0 and p.top_k == -1 and not p.is_greedy
+    p = SamplingParams.from_dict({"stop": "END", "stop_token_ids": 7, "temperature": 0})
+    assert p.stop == ["END"] and p.stop_token_ids == [7] and p.is_greedy
+    assert SamplingParams.from_dict({"top_k": 1}).is_greedy
+    assert SamplingParams.from_dict({"max_new_tokens": None}).max_new_tokens == 128
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"stop": [1, 2]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
+    ({"sampling_seed": "x"}, "sampling_seed"),
+    ({"n": 0}, "n"),
+    ({"frequency_penalty": 0.1}, "frequency_penalty"),
+])
+def test_invalid_values_name_the_field(params, field):
+    with pytest.raises(ValueError, match=f"sampling_params.{field}"):
+        SamplingParams.from_dict(params)
+
+
+def test_stop_token_ids_checked_against_vocab():
+    p = SamplingParams.from_dict({"stop_token_ids": [99]})
+    p.verify(vocab_size=100)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        p.verify(vocab_size=50)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "text/input_ids"),
+    ({"text": "a", "input_ids": [1]}, "text/input_ids"),
+    ({"text": []}, "text"),
+    ({"text": ["a", 3]}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [[1], []]}, "input_ids"),
+    ({"text": "a", "stream": 1}, "stream"),
+    ({"text": "a", "rid": ""}, "rid"),
+    ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
+    ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"text": "a", "wat": 1}, "wat"),
+])
+def test_generate_request_shape_errors(body, field):
+    with pytest.raises(ValueError, match=field.replace("/", ".")):
+        GenerateReqInput.from_json(body)
+
+
+def test_batch_items_pick_their_own_params():
+    obj = GenerateReqInput.from_json({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}], "rid": ["r1", "r2"]})
+    assert obj.is_batch and obj.batch_size == 2
+    second = obj.item(1)
+    assert second.text == "b" and second.sampling_params == {"n": 2} and second.rid == "r2" and not second.is_batch
