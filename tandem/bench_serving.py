@@ -59,7 +59,9 @@ Output:
 
 Metrics (definitions in `tandem.benchmarks.metrics`): completed / failed requests,
 request throughput, input / output / total token throughput, and mean / median / p99 of
-TTFT, TPOT, ITL and end-to-end latency. Output tokens are counted from the server's
+TTFT, TPOT, ITL and end-to-end latency, and the prompt tokens served from the server's
+prefix cache (`meta_info.cached_tokens`; OpenAI `usage.prompt_tokens_details.cached_tokens`
+where the server reports it, else 0). Output tokens are counted from the server's
 cumulative `meta_info.completion_tokens` (falling back to the length of the cumulative
 `output_ids`) for tandem/sglang, and from `usage.completion_tokens` for OpenAI-style
 backends. A chunk may carry several tokens: its gap to the previous chunk is split
@@ -228,6 +230,7 @@ class _Stream:
         self.times: list[float] = []
         self.tokens: list[int] = []
         self.total = 0
+        self.cached = 0
 
     def add(self, t: float, new_tokens: int) -> None:
         if new_tokens > 0:
@@ -246,6 +249,8 @@ def _native_chunk(data: dict, stream: _Stream, now: float) -> str | None:
     if count is None:
         count = len(data.get("output_ids") or [])
     stream.add(now, int(count) - stream.total)
+    if meta.get("cached_tokens") is not None:
+        stream.cached = int(meta["cached_tokens"])
     reason = meta.get("finish_reason")
     if isinstance(reason, dict) and reason.get("type") == "abort":
         return f"aborted: {reason.get('message', '')}"
@@ -307,6 +312,8 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
         return result
     result.ttft, result.itl = ttft_and_itl(start, stream.times, stream.tokens)
     result.output_len = int(usage.get("completion_tokens", stream.total))
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = int(details.get("cached_tokens") or 0) if details else stream.cached
     result.success = True
     return result
 
@@ -413,6 +420,7 @@ def format_report(r: dict[str, Any]) -> str:
              row("Benchmark duration (s):", r["duration"], ".2f"),
              row("Total input tokens:", r["total_input_tokens"]),
              row("Total generated tokens:", r["total_output_tokens"]),
+             row("Total cached prompt tokens:", r["total_cached_tokens"]),
              row("Request throughput (req/s):", r["request_throughput"], ".2f"),
              row("Input token throughput (tok/s):", r["input_throughput"], ".2f"),
              row("Output token throughput (tok/s):", r["output_throughput"], ".2f"),

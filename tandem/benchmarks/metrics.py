@@ -13,6 +13,9 @@ that carried new output tokens:
 Over a run of duration D (first send to last response):
   request throughput = completed / D;  input / output token throughput = tokens / D;
   total token throughput = (input + output tokens) / D.
+  total cached tokens = sum of the prompt tokens the server reported as served from its
+  prefix cache (`meta_info.cached_tokens`, or OpenAI `usage.prompt_tokens_details`);
+  prompt tokens computed = total input tokens - total cached tokens.
 Summaries are mean, median and p99 (numpy's linear-interpolation percentile), in ms
 for latencies; an empty list summarizes to 0.0, as in SGLang.
 """
@@ -36,6 +39,8 @@ class RequestResult:
     e2e_latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    # Prompt tokens the server reported as reused from its prefix cache (0 if not reported).
+    cached_tokens: int = 0
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -97,6 +102,7 @@ def compute_metrics(results: Iterable[RequestResult], duration: float) -> dict[s
     ok = [r for r in results if r.success]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
+    total_cached = sum(r.cached_tokens for r in ok)
     tpots = [t for r in ok if (t := tpot(r.e2e_latency, r.ttft, r.output_len)) is not None]
     itls = [x for r in ok for x in r.itl]
     out: dict[str, float | int] = {
@@ -105,6 +111,8 @@ def compute_metrics(results: Iterable[RequestResult], duration: float) -> dict[s
         "failed": len(results) - len(ok),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
+        "total_cached_tokens": total_cached,
+        "prompt_tokens_computed": total_input - total_cached,
         "request_throughput": throughput(len(ok), duration),
         "input_throughput": throughput(total_input, duration),
         "output_throughput": throughput(total_output, duration),

@@ -13,7 +13,7 @@ import traceback
 
 import zmq
 
-from tandem.managers.incremental_detokenizer import IncrementalDetokenizer
+from tandem.managers.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
 from tandem.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReadyMessage
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 class DetokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
         self.tokenizer = load_tokenizer(server_args.tokenizer_path)
+        self.byte_token_ids = byte_fallback_token_ids(self.tokenizer)
         self.states: dict[str, IncrementalDetokenizer] = {}
         ctx = zmq.Context(2)
         self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_detokenizer, bind=True)
@@ -58,7 +59,7 @@ class DetokenizerManager:
             if state is None:
                 params = msg.detokenize_params[i]
                 assert params is not None, f"first output of {rid} came without DetokenizeParams"
-                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, params)
+                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, params, self.byte_token_ids)
             finished = msg.finished_reasons[i]
             out.text_deltas.append(state.step(msg.new_token_ids[i], finished))
             if finished is not None:

@@ -95,19 +95,32 @@ prefix of the final text.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tandem.managers.io_struct import DetokenizeParams
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of SentencePiece byte-fallback tokens (`<0x00>`..`<0xFF>`), if the vocab has them.
+
+    Their decoder turns a *run* of byte tokens into text as a whole, and into one U+FFFD
+    per byte when the run is not valid UTF-8 anywhere: text decoded from an unfinished run
+    may still change, so it is never emitted until the run ends. Scan once per tokenizer.
+    """
+    return frozenset(i for tok, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.match(tok))
 
 
 class IncrementalDetokenizer:
     """State of one request's detokenization."""
 
-    def __init__(self, tokenizer: Any, params: DetokenizeParams):
+    def __init__(self, tokenizer: Any, params: DetokenizeParams, byte_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.params = params
+        self.byte_token_ids = byte_token_ids
         self.ids: list[int] = []
         self.surr_offset = 0
         self.read_offset = 0
@@ -144,6 +157,8 @@ class IncrementalDetokenizer:
         if not new_ids and not finished:
             return ""
         self.ids.extend(new_ids)
+        if not finished and self.ids[-1] in self.byte_token_ids:
+            return ""  # inside a run of byte tokens: its text is not known yet
 
         if finished:
             candidate = self._confirmed_text + self._new_text()

@@ -193,3 +193,15 @@ def test_info_routes(client, tiny_llama_dir):
     assert server_info["max_total_num_tokens"] > 0
     assert server_info["context_length"] == 2048
     assert server_info["model_path"] == str(tiny_llama_dir)
+
+
+def test_incremental_streaming_output_deltas_join_to_the_text(client, tiny_llama_dir):
+    params = {**GREEDY, "max_new_tokens": 40, "stop": ["e t"]}
+    full = generate(client, text="Deltas join", sampling_params=params)
+    with ServerHandle(tiny_llama_dir, extra_args=["--incremental-streaming-output", "--skip-server-warmup"]) as s:
+        with httpx.Client(base_url=s.base_url, timeout=60) as inc:
+            chunks = stream_chunks(inc, text="Deltas join", sampling_params=params)
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]

@@ -497,3 +497,26 @@ def test_tiny_model_tokenizer(tmp_path):
         tokenizer, params(stop=["😀"]), one_per_step(ids), {"type": "stop", "matched": "😀"}
     )
     assert "".join(deltas) == full[: full.find("😀")] if "😀" in full else full
+
+
+@pytest.mark.parametrize("name", ["sp", "bl"])
+@HSET
+@given(data=st.data())
+def test_property_streamed_text_equals_full_decode_even_for_invalid_utf8(name, data):
+    """With the tokenizer's byte-fallback ids known (as the detokenizer process passes
+    them), token-by-token output equals the full decode whatever the bytes, valid or not:
+    a streamed response always ends on the same text as a non-streamed one."""
+    from tandem.managers.incremental_detokenizer import byte_fallback_token_ids
+
+    tokenizer = TOKENIZERS[name]
+    byte_ids = sorted(byte_fallback_token_ids(tokenizer))
+    pieces = data.draw(st.lists(st.one_of(
+        st.text(alphabet=ALPHABET, max_size=6).map(lambda t: enc(tokenizer, t)),
+        st.lists(st.sampled_from(byte_ids), min_size=1, max_size=4) if byte_ids else st.just([]),
+    ), min_size=1, max_size=8))
+    ids = [i for piece in pieces for i in piece]
+    d = IncrementalDetokenizer(tokenizer, params(), frozenset(byte_ids))
+    streamed = "".join(d.step([i], None) for i in ids) + d.step([], {"type": "length"})
+    assert streamed == tokenizer.decode(ids, skip_special_tokens=True)
+    if name == "sp":
+        assert byte_ids, "the SentencePiece test tokenizer has byte-fallback tokens"
