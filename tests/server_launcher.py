@@ -23,7 +23,8 @@ LIVE: set["ServerHandle"] = set()
 
 
 class ServerHandle:
-    def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0):
+    def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -31,7 +32,8 @@ class ServerHandle:
         cmd = [sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_path),
                "--port", str(self.port), "--log-level", "warning", *(extra_args or [])]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.pids: set[int] = {self.proc.pid}
         LIVE.add(self)
         try:

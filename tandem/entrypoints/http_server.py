@@ -33,6 +33,8 @@ from tandem.utils.process import configure_logging, kill_process_tree
 
 logger = logging.getLogger(__name__)
 
+# How long /health_generate waits for its one-token generation before answering 503;
+# TANDEM_HEALTH_CHECK_TIMEOUT overrides it (as SGLANG_HEALTH_CHECK_TIMEOUT does in SGLang).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # On SIGTERM/SIGINT uvicorn stops accepting connections and lets running requests finish,
 # for at most this long; then every process of the server ends.
@@ -64,6 +66,7 @@ def sse(obj: Any) -> bytes:
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     tm = tokenizer_manager
+    health_timeout = float(os.environ.get("TANDEM_HEALTH_CHECK_TIMEOUT", HEALTH_GENERATE_TIMEOUT_S))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -83,7 +86,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         try:
             [stream] = tm.generate_request(obj)
-            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            async with asyncio.timeout(health_timeout):
                 async for _ in stream:
                     pass
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy

@@ -41,3 +41,21 @@ def test_scheduler_death_takes_the_server_down(tiny_llama_dir):
     finally:
         survivors = server.stop(check=False)
     assert survivors == []
+
+
+def test_health_generate_reports_a_stuck_engine(tiny_llama_dir):
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"],
+                      env={"TANDEM_HEALTH_CHECK_TIMEOUT": "2"}) as server:
+        assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
+        spawned = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(p.cmdline())]
+        for p in spawned:
+            p.suspend()
+        try:
+            r = httpx.get(server.base_url + "/health_generate", timeout=30)
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+            assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        finally:
+            for p in spawned:
+                p.resume()
+        assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
