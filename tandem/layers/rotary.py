@@ -49,20 +49,23 @@ class RotaryEmbedding(nn.Module):
         elif kind not in ("default", None):
             raise ValueError(f"rope_scaling type {kind!r} is not supported")
         freqs = torch.outer(positions, inv_freq)
-        # float32 tables, as HF computes them (it builds inv_freq in float32).
-        self.register_buffer("cos_cache", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().float(), persistent=False)
+        cos, sin = freqs.cos().float(), freqs.sin().float()
+        # float32 tables over the full rotary width, as HF builds them. rotate_half(x) * sin
+        # equals roll(x, half) * [-sin, sin], which saves the split and concatenation.
+        self.register_buffer("cos_cache", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos = torch.index_select(self.cos_cache, 0, positions).unsqueeze(1)
+        sin = torch.index_select(self.sin_cache, 0, positions).unsqueeze(1)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        cos = torch.cat([cos, cos], dim=-1)
-        sin = torch.cat([sin, sin], dim=-1)
-        rotated = rot.float() * cos + torch.cat([-x2, x1], dim=-1) * sin
-        return torch.cat([rotated.to(x.dtype), rest], dim=-1) if rest.numel() else rotated.to(x.dtype)
+        half = self.rotary_dim // 2
+        if self.rotary_dim == x.shape[-1]:
+            xf = x.float()
+            return (xf * cos + torch.roll(xf, half, dims=-1) * sin).to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
+        rotated = rot * cos + torch.roll(rot, half, dims=-1) * sin
+        return torch.cat([rotated.to(x.dtype), rest], dim=-1)

@@ -48,9 +48,12 @@ class TokenToKVPool:
         self.device = device
         shape = (size + 1, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: pages of a large CPU pool are only touched when used.
-        # Attention reads only slots a request owns, never uninitialized ones.
+        # Attention reads only slots a request owns, plus slot 0 as masked padding, so
+        # slot 0 is zeroed: masked garbage (NaN * 0 weight) would poison the output.
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[0].zero_()
         self.clear()
 
     @staticmethod
