@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import threading
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
@@ -70,7 +69,8 @@ class Engine:
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None) -> Output | Iterator[dict[str, Any]]:
         """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
-        an iterator of chunks (each chunk of a batch carries its prompt's "index")."""
+        an iterator of chunks (with several outputs, each chunk carries its output's "index":
+        prompt_index * n + sample_index)."""
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                             top_logprobs_num, return_text_in_logprobs, stream, rid)
         if stream:
@@ -91,8 +91,8 @@ class Engine:
         return await asyncio.wrap_future(self._submit(self._collect(obj)))
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._call(self.tokenizer_manager.get_server_state())
-        return {**self.server_args.to_dict(), **self._procs.scheduler_info, **dataclasses.asdict(state)}
+        """What GET /server_info returns: arguments, capacities, live memory counts."""
+        return self._call(self.tokenizer_manager.server_info())
 
     def pids(self) -> list[int]:
         """Pids of the engine's subprocesses (for checks that none outlives it)."""

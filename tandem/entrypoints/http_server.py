@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -106,17 +105,17 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
     async def server_info() -> Response:
         """Resolved arguments, capacities, and the scheduler's live memory counts."""
         try:
-            state = await tm.get_server_state()
+            return json_response(await tm.server_info())
         except asyncio.TimeoutError:
             return error_response("the scheduler did not answer", 503)
-        args = {k: v for k, v in server_args.to_dict().items() if k != "api_key"}
-        live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
-        return json_response({**args, **tm.scheduler_info, **live})
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
         """Empty the prefix cache; 400 with the reason while requests run or wait."""
-        result = await tm.flush_cache()
+        try:
+            result = await tm.flush_cache()
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
         if not result.success:
             return error_response(f"cache not flushed: {result.message}", 400)
         return json_response({"success": True})
@@ -151,7 +150,21 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             return error_response(str(e))
         multi = obj.is_batch or len(streams) > 1  # a batch, or n > 1 samples
         if obj.stream:
+            first: list[dict] = []
+            if not multi:
+                # Wait for the first chunk before the status line, so that a request the
+                # scheduler refuses (busy: 503) gets a real status code.
+                try:
+                    first.append(await await_or_disconnect(request, anext(streams[0])))
+                except ClientDisconnected:
+                    return Response(status_code=499)
+                rejected = rejection(first)
+                if rejected is not None:
+                    return error_response(*rejected)
+
             async def body_iter() -> AsyncIterator[bytes]:
+                for chunk in first:
+                    yield sse(chunk)
                 async for index, chunk in merge_streams(streams):
                     yield sse({**chunk, "index": index} if multi else chunk)
                 yield b"data: [DONE]\n\n"

@@ -4,7 +4,7 @@
 cached prefix first; falls back to fcfs for very long queues, where matching every
 request each step would cost more than it saves).
 
-`PrefillAdder` admits requests one by one while their KV fits:
+`Scheduler.get_new_prefill_batch` admits requests one by one while their KV fits:
     budget = free slots + evictable cached slots
              - KV the running requests are expected to still need
 An admitted request costs its prompt tokens not already cached plus its expected future

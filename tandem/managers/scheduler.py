@@ -166,8 +166,7 @@ class Scheduler:
 
     def handle_abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
-            # The samples of an n > 1 request carry rids "{rid}-{i}".
-            return msg.abort_all or req.rid == msg.rid or req.rid.rsplit("-", 1)[0] == msg.rid
+            return msg.abort_all or req.rid == msg.rid
 
         aborted = [r for r in self.waiting_queue if match(r)]
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
@@ -278,19 +277,28 @@ class Scheduler:
     def prepare_decode_batch(self) -> ScheduleBatch | None:
         """A decode batch of the running requests, retracting some if memory is short."""
         self.new_token_ratio.step()
-        while True:
+        while self.running:
             slots = self.kv.alloc_decode(self.running)
             if slots is not None:
                 return ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, out_cache_loc=slots)
-            if len(self.running) == 1:
-                raise RuntimeError("out of KV memory with a single running request; --max-total-tokens too small")
             self.retract_one()
+        return None
 
     def retract_one(self) -> None:
-        """Send back the running request that loses least: fewest generated tokens, then
-        the longest prompt (it frees the most). Its outputs are kept; it resumes later."""
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
-        self.running.remove(victim)
+        """Send back the request that loses least: fewest generated tokens, then the longest
+        prompt (it frees the most); a half-prefilled chunked request counts too. Its KV goes
+        to the prefix cache, its outputs are kept, and it resumes from the queue later.
+
+        A request alone always fits (max_new_tokens is capped by the pool), so with one
+        running request and nothing else holding KV this is never reached."""
+        candidates = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        if len(candidates) <= 1:
+            raise RuntimeError("out of KV memory with a single request; --max-total-tokens is too small")
+        victim = min(candidates, key=lambda r: (len(r.output_ids), -r.prompt_len))
+        if victim is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(victim)
         self.kv.release(victim)
         victim.retractions += 1
         self.waiting_queue.insert(0, victim)

@@ -68,6 +68,8 @@ class TokenizerManager:
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.scheduler_info = scheduler_info
         self.rid_to_state: dict[str, ReqState] = {}
+        # rid of an n > 1 request -> the rids of its samples ("{rid}-{i}"), while any runs.
+        self.sample_rids: dict[str, list[str]] = {}
         self._control_waiters: dict[str, asyncio.Future] = {}
         ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
@@ -98,9 +100,10 @@ class TokenizerManager:
             if n == 1:
                 reqs.append((item, first))
                 continue
-            for i in range(n):
-                reqs.append((item, dataclasses.replace(first, rid=f"{first.rid}-{i}",
-                                                       sampling_params=copy.copy(first.sampling_params))))
+            samples = [dataclasses.replace(first, rid=f"{first.rid}-{i}", sampling_params=copy.copy(first.sampling_params))
+                       for i in range(n)]
+            reqs.extend((item, sample) for sample in samples)
+            self.sample_rids[first.rid] = [sample.rid for sample in samples]
         rids = [r.rid for _, r in reqs]
         if len(set(rids)) != len(rids) or any(rid in self.rid_to_state for rid in rids):
             raise ValueError("rid: every request must have a distinct rid, not one already running")
@@ -133,6 +136,9 @@ class TokenizerManager:
                 # The consumer went away (client disconnect): stop the request.
                 self.abort_request(state.rid)
             self.rid_to_state.pop(state.rid, None)
+            parent = state.rid.rsplit("-", 1)[0]
+            if parent in self.sample_rids and not any(r in self.rid_to_state for r in self.sample_rids[parent]):
+                del self.sample_rids[parent]
 
     def _output(self, state: ReqState, chunks: list, delta: bool) -> dict[str, Any]:
         meta = dict(chunks[-1][3])
@@ -191,12 +197,24 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        """Stop one request (or all): queued ones leave the queue, running ones stop within a step."""
-        zmq_io.send(self.send_to_scheduler, AbortReq(rid=rid, abort_all=abort_all))
+        """Stop one request (every sample of an n > 1 request), or all: queued ones leave
+        the queue, running ones stop within a step."""
+        if abort_all:
+            zmq_io.send(self.send_to_scheduler, AbortReq(abort_all=True))
+            return
+        for target in self.sample_rids.get(rid, [rid]):
+            zmq_io.send(self.send_to_scheduler, AbortReq(rid=target))
 
     async def get_server_state(self, timeout: float = 10.0) -> ServerStateOutput:
         """Live scheduler counts (memory, queue lengths)."""
         return await self._control_call(GetServerStateReq(request_id=uuid.uuid4().hex), timeout)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Resolved arguments (api_key hidden), capacities and the live scheduler counts."""
+        state = await self.get_server_state()
+        args = {k: v for k, v in self.server_args.to_dict().items() if k != "api_key"}
+        live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
+        return {**args, **self.scheduler_info, **live}
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheOutput:
         """Empty the prefix cache; the scheduler refuses while requests run or wait."""

@@ -194,3 +194,22 @@ def test_skip_tokenizer_init_matches_normal_mode(tiny_llama_dir, client):
             stop_id = normal[0][2]
             out = generate(rc, input_ids=prompts[0], sampling_params={**params, "stop_token_ids": [stop_id]})
             assert out["output_ids"] == normal[0][: normal[0].index(stop_id) + 1]
+
+
+def test_abort_by_parent_rid_stops_every_sample_only(server, client):
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
+            long = {"max_new_tokens": 1500, "ignore_eos": True}
+            group = asyncio.create_task(ac.post("/generate", json={
+                "text": "group", "rid": "grp", "sampling_params": {**long, "n": 2, "temperature": 1.0}}))
+            bystander = asyncio.create_task(ac.post("/generate", json={
+                "text": "bystander", "rid": "grp-x", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}))
+            while (await ac.get("/server_info")).json()["num_running_reqs"] < 3:
+                await asyncio.sleep(0.05)
+            assert (await ac.post("/abort_request", json={"rid": "grp"})).status_code == 200
+            return [(await group).json(), (await bystander).json()]
+
+    samples, bystander = asyncio.run(run())
+    assert [s["meta_info"]["finish_reason"]["type"] for s in samples] == ["abort", "abort"]
+    assert bystander["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    assert_memory_idle(client)

@@ -144,3 +144,15 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
         assert all("busy" in r.json()["error"]["message"] for r in responses if r.status_code == 503)
         assert all(len(r.json()["output_ids"]) == 200 for r in responses if r.status_code == 200)
         assert_idle_invariant(server.base_url)
+
+        async def streamed() -> list[int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                async def one(i: int) -> int:
+                    async with client.stream("POST", "/generate", json={**bodies[i], "stream": True}) as r:
+                        await r.aread()
+                        return r.status_code
+                return await asyncio.gather(*[one(i) for i in range(5)])
+
+        codes = asyncio.run(streamed())
+        assert 503 in codes and 200 in codes, codes
+        assert_idle_invariant(server.base_url)
