@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import signal
 import sys
 import traceback
 
-import torch
 import zmq
 
 from tandem.managers.finish_check import FinishChecker
@@ -46,6 +44,7 @@ from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.model_executor.forward_batch import ForwardMode
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
+from tandem.utils.cpu_threads import ComputeThreads
 from tandem.utils.process import configure_logging, notify_parent_of_failure, set_parent_death_signal
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
@@ -77,6 +76,7 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy, self.kv)
         self.new_token_ratio = NewTokenRatio()
         self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+        self.compute_threads = ComputeThreads.for_device(self.device)
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
@@ -307,6 +307,8 @@ class Scheduler:
 
     # ---- running -------------------------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        if self.compute_threads is not None:
+            self.compute_threads.apply(batch.forward_mode)
         return self.worker.forward_batch_generation(batch)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -389,22 +391,10 @@ class Scheduler:
         out.input_top_logprobs.append(req.input_top_logprobs if first else None)
 
 
-def set_cpu_compute_threads(device: str) -> None:
-    """On CPU, leave one core to the HTTP and detokenizer processes.
-
-    NOTE: intra-op threads wait for each other at every kernel; a compute thread that
-    shares its core with the other processes stalls all of them. Measured on 2 cores
-    (docs/benchmarks.md): 1 compute thread serves ~15-20% more tokens/s than 2.
-    OMP_NUM_THREADS, when set, wins."""
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
-
-
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0) -> None:
     """Entry of the scheduler subprocess: set up, report readiness, then loop forever."""
     set_parent_death_signal()
     configure_logging(server_args.log_level, f"scheduler TP{tp_rank}")
-    set_cpu_compute_threads(server_args.device)
     faulthandler.register(signal.SIGUSR1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
