@@ -34,3 +34,12 @@ test: install
 
 clean:
 	rm -rf $(VENV) models .pytest_cache
+
+# Side-by-side comparison with vLLM, SGLang (when ../shared/peers/setup.sh installed them) and HF
+# transformers; writes docs/benchmarks.md and docs/benchmarks.png. Takes about an hour on 2 cores.
+# BENCH_ARGS="--quick --models 7m" for a smoke run.
+BENCH_ARGS ?=
+.PHONY: bench-compare
+bench-compare: install
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	$(PY) benchmarks/compare.py $(BENCH_ARGS)

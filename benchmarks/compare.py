@@ -1,0 +1,978 @@
+"""Tandem side by side with vLLM, SGLang and HF transformers, one engine after another.
+
+    .venv/bin/python benchmarks/compare.py                    # the full matrix (see --help)
+    .venv/bin/python benchmarks/compare.py --quick --models 7m --workloads a,b --engines tandem,hf
+
+For each model preset (built once with `tandem.tools.make_tiny_model` into --model-dir)
+and each engine present, it starts the engine's server on that model, runs the
+workloads `--repeats` times with `tandem.bench_serving`'s request code (in-process:
+its dataset generators, `send_request`, `run_requests` and `compute_metrics`), stops the
+server (its whole process group and every descendant), and moves on. HF transformers
+runs in this process: `generate` on left-padded batches of the same prompts (greedy,
+`min_new_tokens == max_new_tokens`, so lengths match), one batch per `max_concurrency`
+slice, with step times taken from a streamer. It writes the raw rows (--results-jsonl),
+a markdown report with the tables (--out) and a plot next to it (.png).
+
+Workloads (token-id prompts, `ignore_eos`, so every engine does the same work):
+  a  16 concurrent requests: random prompts of 64-128 tokens (bench_serving's random
+     dataset, --random-input-len 128 --random-range-ratio 0.5), 128 output tokens each.
+  b  one request at a time: 128 prompt tokens, 128 output tokens.
+  c  200 requests arriving as a Poisson process at a fixed rate (--rate), 64-128 prompt
+     tokens, 32 output tokens: TTFT / TPOT / ITL percentiles. Not run for HF (no server).
+  d  shared prefix (bench_serving's shared-prefix dataset): groups of prompts sharing a
+     512-token system prompt, each with its own 64-token question, 32 output tokens,
+     16 in flight.
+Output lengths are fixed (bench_serving's range ratio applies to both lengths; here it
+applies to the prompts only). Each repeat uses its own seed, so no prompt of one run is
+in a prefix cache filled by another. Tandem extra: workload d with
+`--disable-radix-cache` against the default, reporting the ratio of prompt tokens
+computed (sum of prompt_tokens - cached_tokens) and of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tandem import bench_serving  # noqa: E402
+from tandem.benchmarks.datasets import (  # noqa: E402
+    BenchRequest,
+    TokenSpace,
+    generate_random_requests,
+    generate_shared_prefix_requests,
+    load_token_space,
+)
+from tandem.benchmarks.metrics import RequestResult, compute_metrics  # noqa: E402
+from tandem.utils.process import free_port  # noqa: E402
+
+ENGINES = ("tandem", "vllm", "sglang", "hf")
+PEER_ENGINES = ("vllm", "sglang")
+NORADIX = "tandem-noradix"  # Tandem with --disable-radix-cache, workload d only
+ENGINE_LABELS = {"tandem": "Tandem", "vllm": "vLLM", "sglang": "SGLang", "hf": "HF transformers",
+                 NORADIX: "Tandem --disable-radix-cache"}
+BACKENDS = {"tandem": "tandem", NORADIX: "tandem", "sglang": "sglang", "vllm": "vllm"}
+START_TIMEOUT = {"tandem": 300.0, NORADIX: 300.0, "sglang": 600.0, "vllm": 900.0}
+DEFAULT_RATES = {"7m": 4.0, "100m": 1.5}
+
+
+# ---- workloads ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    title: str
+    dataset: str  # "random" | "shared-prefix"
+    num_prompts: int = 0
+    input_len: int = 128
+    range_ratio: float = 1.0
+    output_len: int = 128
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    gsp_num_groups: int = 0
+    gsp_prompts_per_group: int = 0
+    gsp_system_prompt_len: int = 0
+    gsp_question_len: int = 0
+
+    def requests(self, space: TokenSpace, seed: int) -> list[BenchRequest]:
+        if self.dataset == "random":
+            reqs = generate_random_requests(self.num_prompts, self.input_len, self.output_len, self.range_ratio,
+                                            space, seed=seed)
+            return [BenchRequest(r.prompt_ids, self.output_len) for r in reqs]
+        return generate_shared_prefix_requests(self.gsp_num_groups, self.gsp_prompts_per_group,
+                                               self.gsp_system_prompt_len, self.gsp_question_len,
+                                               self.output_len, space, seed=seed)
+
+    def bench_serving_flags(self) -> str:
+        """The bench_serving flags of the same workload (its range ratio also applies to
+        output lengths, which this script keeps fixed)."""
+        load = []
+        if not math.isinf(self.request_rate):
+            load.append(f"--request-rate {self.request_rate:g}")
+        if self.max_concurrency:
+            load.append(f"--max-concurrency {self.max_concurrency}")
+        if self.dataset == "random":
+            data = (f"--dataset-name random --num-prompts {self.num_prompts} --random-input-len {self.input_len} "
+                    f"--random-range-ratio {self.range_ratio:g} --random-output-len {self.output_len}")
+        else:
+            data = (f"--dataset-name shared-prefix --gsp-num-groups {self.gsp_num_groups} "
+                    f"--gsp-prompts-per-group {self.gsp_prompts_per_group} "
+                    f"--gsp-system-prompt-len {self.gsp_system_prompt_len} "
+                    f"--gsp-question-len {self.gsp_question_len} --gsp-output-len {self.output_len}")
+        return " ".join([data, *load])
+
+
+def make_workloads(quick: bool, rate: float) -> dict[str, Workload]:
+    return {
+        "a": Workload("a", "16 concurrent requests, 64-128 in / 128 out", "random",
+                      num_prompts=16 if quick else 48, input_len=128, range_ratio=0.5, output_len=128,
+                      max_concurrency=16),
+        "b": Workload("b", "1 request at a time, 128 in / 128 out", "random",
+                      num_prompts=2 if quick else 4, input_len=128, range_ratio=1.0, output_len=128,
+                      max_concurrency=1),
+        "c": Workload("c", f"{40 if quick else 200} requests at a fixed rate (Poisson), 64-128 in / 32 out",
+                      "random", num_prompts=40 if quick else 200, input_len=128, range_ratio=0.5, output_len=32,
+                      request_rate=rate),
+        "d": Workload("d", "shared prefix: 512-token system prompt + 64-token question, 32 out, 16 in flight",
+                      "shared-prefix", output_len=32, max_concurrency=16, gsp_num_groups=2 if quick else 4,
+                      gsp_prompts_per_group=8, gsp_system_prompt_len=512, gsp_question_len=64),
+    }
+
+
+# ---- servers -----------------------------------------------------------------------
+LIVE_SERVERS: set["Server"] = set()
+
+
+class Server:
+    """One engine's HTTP server in its own session (process group); `stop` ends the group
+    and every descendant that left it."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int):
+        self.name, self.cmd, self.port = name, cmd, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        self._log.write("$ " + " ".join(cmd) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=str(REPO))
+        self.pgid = self.proc.pid
+        self.pids: set[int] = {self.proc.pid}
+        LIVE_SERVERS.add(self)
+
+    def _collect_descendants(self) -> None:
+        try:
+            self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def log_tail(self, n: int = 30) -> str:
+        self._log.flush()
+        return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll GET /health until 200; return the seconds it took."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting:\n"
+                                   f"{self.log_tail()}")
+            self._collect_descendants()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5, trust_env=False).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> list[int]:
+        """SIGTERM the process group, wait, SIGKILL what is left (group and strays);
+        return the pids that needed SIGKILL."""
+        LIVE_SERVERS.discard(self)
+        self._collect_descendants()
+        try:
+            os.killpg(self.pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
+            time.sleep(0.2)
+        killed = [p for p in sorted(self.pids) if _alive(p)]
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in killed:
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self._log.close()
+        return killed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_all_servers(*_: Any) -> None:
+    for server in list(LIVE_SERVERS):
+        server.stop(timeout=10)
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    stop_all_servers()
+    raise SystemExit(128 + signum)
+
+
+def server_command(engine: str, model_dir: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    if engine in ("tandem", NORADIX):
+        cmd = [sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_dir), "--port", str(port),
+               "--log-level", "warning"]
+        if engine == NORADIX:
+            cmd.append("--disable-radix-cache")
+        return cmd, env
+    env["PEERS_DIR"] = str(args.peers_dir)
+    if engine == "vllm" and args.vllm_all_cores:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    extra = ["--enable-prompt-tokens-details"] if engine == "vllm" else []  # report cached prompt tokens
+    return ["bash", str(args.peers_serve), engine, str(model_dir), str(port), *extra], env
+
+
+def engine_available(engine: str, args: argparse.Namespace) -> str | None:
+    """None when the engine can run here, else why not."""
+    if engine in PEER_ENGINES:
+        venv = {"vllm": "venv-vllm", "sglang": "venv-sgl"}[engine]
+        if not (args.peers_dir / venv / "bin" / "python").exists():
+            return f"{args.peers_dir / venv} not found (install with ../shared/peers/setup.sh)"
+        if not args.peers_serve.exists():
+            return f"{args.peers_serve} not found"
+    return None
+
+
+def engine_version(engine: str, args: argparse.Namespace) -> str:
+    if engine in ("tandem", NORADIX):
+        return "this checkout (" + _git_rev() + ")"
+    if engine == "hf":
+        import transformers
+        import torch
+
+        return f"transformers {transformers.__version__}, torch {torch.__version__}"
+    venv = {"vllm": "venv-vllm", "sglang": "venv-sgl"}[engine]
+    code = ("from importlib.metadata import version as v\n"
+            "out = []\n"
+            "for d in ('vllm', 'vllm-cpu', 'sglang', 'torch'):\n"
+            "    try: out.append(f'{d} {v(d)}')\n"
+            "    except Exception: pass\n"
+            "print(', '.join(out))")
+    try:
+        res = subprocess.run([str(args.peers_dir / venv / "bin" / "python"), "-c", code], capture_output=True,
+                             text=True, timeout=60)
+        return res.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+# ---- running a workload against a server ------------------------------------------
+async def _server_model_name(client: httpx.AsyncClient, backend: str, base_url: str) -> str | None:
+    ns = argparse.Namespace(model=None, backend=backend)
+    return await bench_serving.resolve_model_name(client, ns, base_url)
+
+
+async def _http_run(backend: str, base_url: str, requests: list[BenchRequest], warmup: list[BenchRequest],
+                    rate: float, max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=60.0), trust_env=False) as client:
+        model = await _server_model_name(client, backend, base_url)
+        target = bench_serving.make_target(backend, base_url, model, {})
+        if warmup:
+            results, _ = await bench_serving.run_requests(client, target, warmup, math.inf, None, seed)
+            bad = [r.error for r in results if not r.success]
+            if bad:
+                raise RuntimeError(f"warm-up failed: {bad[0]}")
+        if not requests:
+            return [], 0.0
+        return await bench_serving.run_requests(client, target, requests, rate, max_concurrency, seed)
+
+
+def run_http_workload(backend: str, base_url: str, workload: Workload, space: TokenSpace,
+                      seed: int) -> dict[str, Any]:
+    requests = workload.requests(space, seed)
+    # One warm-up request of its own (another seed), so prefix caches gain nothing from it.
+    warm = generate_random_requests(1, 32, 8, 1.0, space, seed=seed + 7919)
+    results, duration = asyncio.run(_http_run(backend, base_url, requests, warm, workload.request_rate,
+                                              workload.max_concurrency, seed))
+    metrics = compute_metrics(results, duration)
+    metrics["errors"] = sorted({r.error for r in results if not r.success})[:3]
+    return metrics
+
+
+def warm_up_server(backend: str, base_url: str, space: TokenSpace) -> None:
+    """Once per server start: 16 concurrent short requests, then one alone (first-batch
+    compilation and allocation happen here, not in the measured runs)."""
+    burst = generate_random_requests(16, 64, 16, 0.5, space, seed=424242)
+    asyncio.run(_http_run(backend, base_url, [], burst, math.inf, None, 1))
+    asyncio.run(_http_run(backend, base_url, [], burst[:1], math.inf, None, 1))
+
+
+# ---- HF transformers, in-process ---------------------------------------------------
+class HFRunner:
+    """`generate` on left-padded batches: greedy, min_new_tokens == max_new_tokens."""
+
+    def __init__(self, model_dir: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        cfg = self.model.config
+        gen = self.model.generation_config
+        pad = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else gen.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def _batch(self, reqs: list[BenchRequest]) -> list[RequestResult]:
+        torch = self.torch
+        from transformers.generation.streamers import BaseStreamer
+
+        longest = max(r.prompt_len for r in reqs)
+        ids = torch.full((len(reqs), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), longest), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, longest - r.prompt_len:] = torch.tensor(r.prompt_ids)
+            mask[i, longest - r.prompt_len:] = 1
+        new_tokens = max(r.output_len for r in reqs)
+        times: list[float] = []
+
+        class StepTimes(BaseStreamer):
+            def __init__(self) -> None:
+                self.first = True
+
+            def put(self, value: Any) -> None:
+                if self.first:  # the prompt
+                    self.first = False
+                    return
+                times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id,
+                                      streamer=StepTimes())
+        end = time.perf_counter()
+        produced = out.shape[1] - longest
+        results = []
+        for r in reqs:
+            n = min(r.output_len, produced)
+            steps = times[:n]
+            itl = [b - a for a, b in zip(steps, steps[1:])]
+            # A request shorter than the batch's longest is done at its own last token.
+            e2e = (steps[-1] if steps and n < produced else end) - start
+            results.append(RequestResult(success=n == r.output_len, prompt_len=r.prompt_len, output_len=n,
+                                         ttft=(steps[0] - start) if steps else e2e, e2e_latency=e2e, itl=itl,
+                                         error="" if n == r.output_len else f"generated {n} of {r.output_len}"))
+        return results
+
+    def run(self, workload: Workload, space: TokenSpace, seed: int) -> dict[str, Any]:
+        requests = workload.requests(space, seed)
+        self._batch(generate_random_requests(1, 32, 8, 1.0, space, seed=seed + 7919))  # warm-up
+        size = workload.max_concurrency or len(requests)
+        results: list[RequestResult] = []
+        start = time.perf_counter()
+        for i in range(0, len(requests), size):
+            results += self._batch(requests[i:i + size])
+        duration = time.perf_counter() - start
+        metrics = compute_metrics(results, duration)
+        metrics["errors"] = sorted({r.error for r in results if not r.success})[:3]
+        return metrics
+
+    def warm_up(self, space: TokenSpace) -> None:
+        self._batch(generate_random_requests(16, 64, 16, 0.5, space, seed=424242))
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+
+
+# ---- the matrix --------------------------------------------------------------------
+@dataclass
+class Plan:
+    models: list[str]
+    engines: list[str]
+    workloads: list[str]
+    repeats: int
+    radix_extra: bool
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def ensure_model(preset: str, model_dir: Path) -> Path:
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    path = model_dir / f"llama-{preset}"
+    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
+        print(f"[compare] building the {preset} model in {path}", flush=True)
+        make_tiny_model(path, arch="llama", preset=preset)
+    return path
+
+
+def _emit(row: dict[str, Any], rows: list[dict[str, Any]], jsonl: Path) -> None:
+    rows.append(row)
+    with open(jsonl, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _summary(row: dict[str, Any]) -> str:
+    if row.get("status") != "ok":
+        return f"{row.get('status')}: {row.get('error', '')[:200]}"
+    return (f"out {row['output_throughput']:.1f} tok/s, total {row['total_throughput']:.1f} tok/s, "
+            f"TTFT med {row['median_ttft_ms']:.1f} ms, TPOT med {row['median_tpot_ms']:.2f} ms, "
+            f"{row['completed']} ok / {row['failed']} failed, {row['duration']:.1f} s")
+
+
+def run_engine(engine: str, model: str, model_dir: Path, workloads: list[Workload], plan: Plan,
+               args: argparse.Namespace, rows: list[dict[str, Any]], run_id: str) -> None:
+    space = load_token_space(str(model_dir))
+    base = {"run_id": run_id, "engine": engine, "model": model, "model_dir": str(model_dir), "quick": args.quick,
+            "command": args.command, "version": engine_version(engine, args)}
+    runner: Callable[[Workload, int], dict[str, Any]]
+    server: Server | None = None
+    hf: HFRunner | None = None
+    t0 = time.monotonic()
+    try:
+        if engine == "hf":
+            hf = HFRunner(model_dir)
+            hf.warm_up(space)
+            runner = lambda w, seed: hf.run(w, space, seed)  # noqa: E731
+        else:
+            port = free_port()
+            cmd, env = server_command(engine, model_dir, port, args)
+            server = Server(engine, cmd, env, args.log_dir / f"{run_id}-{engine}-{model}.log", port)
+            ready = server.wait_ready(START_TIMEOUT[engine] * args.start_timeout_scale)
+            print(f"[compare] {engine} on {model}: ready after {ready:.0f} s (log {server.log_path})", flush=True)
+            warm_up_server(BACKENDS[engine], server.base_url, space)
+            runner = lambda w, seed: run_http_workload(BACKENDS[engine], server.base_url, w, space, seed)  # noqa
+        for rep in range(plan.repeats):
+            for w in workloads:
+                seed = args.seed + 1000 * (ord(w.key) - ord("a")) + rep
+                row = {**base, "workload": w.key, "repeat": rep, "seed": seed, "timestamp": time.time(),
+                       "loadavg_1m": os.getloadavg()[0],
+                       "request_rate": "inf" if math.isinf(w.request_rate) else w.request_rate,
+                       "max_concurrency": w.max_concurrency}
+                try:
+                    row.update(runner(w, seed))
+                    row["status"] = "ok" if row["completed"] > 0 else "failed"
+                except Exception as e:  # noqa: BLE001 - record it and go on
+                    row.update(status="error", error=f"{type(e).__name__}: {e}")
+                _emit(row, rows, args.results_jsonl)
+                print(f"[compare] {model} {engine:<15} ({w.key}) rep {rep + 1}/{plan.repeats}: {_summary(row)}",
+                      flush=True)
+    except Exception as e:  # noqa: BLE001 - an engine that cannot start is reported, not fatal
+        msg = f"{type(e).__name__}: {e}"
+        print(f"[compare] {engine} on {model} FAILED: {msg}", flush=True)
+        _emit({**base, "workload": None, "status": "error", "error": msg[:2000], "timestamp": time.time()},
+              rows, args.results_jsonl)
+    finally:
+        if server is not None:
+            killed = server.stop()
+            if killed:
+                print(f"[compare] {engine}: pids {killed} needed SIGKILL", flush=True)
+        if hf is not None:
+            hf.close()
+    print(f"[compare] {engine} on {model}: {time.monotonic() - t0:.0f} s in all", flush=True)
+
+
+def run_matrix(plan: Plan, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    args.results_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    args.results_jsonl.write_text("")
+    for model in plan.models:
+        model_dir = ensure_model(model, args.model_dir)
+        workloads = make_workloads(args.quick, args.rates[model])
+        selected = [workloads[k] for k in plan.workloads]
+        for engine in plan.engines:
+            ws = [w for w in selected if not (engine == "hf" and w.key == "c")]
+            if ws:
+                run_engine(engine, model, model_dir, ws, plan, args, rows, run_id)
+            if engine == "tandem" and plan.radix_extra:
+                run_engine(NORADIX, model, model_dir, [workloads["d"]], plan, args, rows, run_id)
+    return rows
+
+
+# ---- aggregation and the report -----------------------------------------------------
+def _agg(values: list[float]) -> tuple[float, float, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values)
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(model, engine, workload) -> {metric: (median, min, max), "n": repeats, "errors": [...]}."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("workload"):
+            groups.setdefault((r["model"], r["engine"], r["workload"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        entry: dict[str, Any] = {"n": len(ok), "runs": len(rs),
+                                 "errors": sorted({e for r in rs for e in (r.get("errors") or [])}
+                                                  | {r["error"] for r in rs if r.get("error")})}
+        if ok:
+            for metric in ok[0]:
+                if isinstance(ok[0][metric], (int, float)) and not isinstance(ok[0][metric], bool):
+                    entry[metric] = _agg([r.get(metric) for r in ok])
+            entry["failed_requests"] = sum(r.get("failed", 0) for r in ok)
+        out[key] = entry
+    return out
+
+
+def _fmt(v: tuple[float, float, float] | None, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    med, lo, hi = v
+    if lo == hi:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+COLUMNS = {  # workload -> [(header, metric, digits)]
+    "a": [("output tok/s", "output_throughput", 0), ("total tok/s", "total_throughput", 0),
+          ("req/s", "request_throughput", 2), ("median TTFT ms", "median_ttft_ms", 0),
+          ("median TPOT ms", "median_tpot_ms", 1), ("median E2E s", "median_e2e_latency_ms", 0)],
+    "b": [("output tok/s", "output_throughput", 0), ("median TTFT ms", "median_ttft_ms", 1),
+          ("median TPOT ms", "median_tpot_ms", 2), ("median E2E ms", "median_e2e_latency_ms", 0)],
+    "c": [("req/s", "request_throughput", 2), ("median TTFT ms", "median_ttft_ms", 1),
+          ("p99 TTFT ms", "p99_ttft_ms", 1), ("median TPOT ms", "median_tpot_ms", 2),
+          ("p99 TPOT ms", "p99_tpot_ms", 2), ("p99 ITL ms", "p99_itl_ms", 1)],
+    "d": [("output tok/s", "output_throughput", 0), ("total tok/s", "total_throughput", 0),
+          ("median TTFT ms", "median_ttft_ms", 0), ("p99 TTFT ms", "p99_ttft_ms", 0),
+          ("cached prompt tokens", "total_cached_tokens", 0), ("wall s", "duration", 2)],
+}
+
+
+def _engine_order(agg: dict, model: str, workload: str) -> list[str]:
+    order = ["tandem", NORADIX, "vllm", "sglang", "hf"]
+    return [e for e in order if (model, e, workload) in agg]
+
+
+def best_peer_ratio(agg: dict, model: str, metric: str = "output_throughput",
+                    workload: str = "a") -> tuple[float, float, str, float] | None:
+    """(Tandem median, best peer median, peer, ratio) for `metric` on `workload`."""
+    tandem = agg.get((model, "tandem", workload), {}).get(metric)
+    peers = [(agg[(model, e, workload)][metric][0], e) for e in ("vllm", "sglang", "hf")
+             if agg.get((model, e, workload), {}).get(metric)]
+    if not tandem or not peers:
+        return None
+    best, name = max(peers)
+    return tandem[0], best, name, tandem[0] / best if best else math.inf
+
+
+def render_tables(agg: dict, models: list[str], workloads: dict[str, Workload], rates: dict[str, float]) -> str:
+    lines = []
+    ratios = [(m, best_peer_ratio(agg, m)) for m in models]
+    if any(r for _, r in ratios):
+        lines += ["### Tandem / best peer, total output throughput on (a)", "",
+                  "| model | Tandem output tok/s | best peer | peer output tok/s | Tandem / best peer |",
+                  "|---|---|---|---|---|"]
+        for m, r in ratios:
+            if r:
+                lines.append(f"| {m} | {r[0]:.0f} | {ENGINE_LABELS[r[2]]} | {r[1]:.0f} | **{r[3]:.2f}x** |")
+        lines.append("")
+    for m in models:
+        for key, w in workloads.items():
+            engines = _engine_order(agg, m, key)
+            if not engines:
+                continue
+            cols = COLUMNS[key]
+            rate = f", {rates[m]:g} req/s" if key == "c" else ""
+            lines += [f"### {m}, workload ({key}): {w.title}{rate}", ""]
+            header = "| engine | " + " | ".join(c[0] for c in cols) + " |"
+            if key == "a":
+                header += " Tandem / best peer |"
+            lines += [header, "|" + "---|" * (header.count("|") - 1)]
+            ratio = best_peer_ratio(agg, m) if key == "a" else None
+            for e in engines:
+                entry = agg[(m, e, key)]
+                cells = []
+                for _, metric, digits in cols:
+                    v = entry.get(metric)
+                    if metric == "median_e2e_latency_ms" and key == "a" and v:
+                        v = tuple(x / 1000 for x in v)
+                        digits = 2
+                    cells.append(_fmt(v, digits))
+                row = f"| {ENGINE_LABELS[e]} | " + " | ".join(cells) + " |"
+                if key == "a":
+                    row += (f" {ratio[3]:.2f}x |" if (ratio and e == "tandem") else " |")
+                if entry["n"] < entry["runs"] or entry.get("failed_requests"):
+                    row += f" <!-- {entry['runs'] - entry['n']} failed runs, {entry.get('failed_requests', 0)} failed requests -->"
+                lines.append(row)
+            errs = sorted({e for en in engines for e in agg[(m, en, key)]["errors"]})
+            if errs:
+                lines += ["", "Errors: " + "; ".join(x[:200] for x in errs[:5])]
+            lines.append("")
+    lines += render_radix(agg, models)
+    return "\n".join(lines)
+
+
+def render_radix(agg: dict, models: list[str]) -> list[str]:
+    rows = []
+    for m in models:
+        on, off = agg.get((m, "tandem", "d")), agg.get((m, NORADIX, "d"))
+        if not on or not off or "prompt_tokens_computed" not in on or "prompt_tokens_computed" not in off:
+            continue
+        c_on, c_off = on["prompt_tokens_computed"][0], off["prompt_tokens_computed"][0]
+        t_on, t_off = on["duration"][0], off["duration"][0]
+        rows.append(f"| {m} | {c_on:.0f} | {c_off:.0f} | {c_on / c_off:.2f} | {_fmt(on['duration'], 2)} | "
+                    f"{_fmt(off['duration'], 2)} | {t_on / t_off:.2f} |")
+    if not rows:
+        return []
+    return ["### Tandem radix cache on workload (d): default vs --disable-radix-cache", "",
+            "Prompt tokens computed = sum over requests of prompt_tokens - cached_tokens (from `meta_info`).", "",
+            "| model | prompt tokens computed, radix | without radix | ratio | wall s, radix | wall s, without |"
+            " wall ratio |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def render_plot(agg: dict, models: list[str], workloads: dict[str, Workload], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "a" in workloads:
+        panels.append(("a", "output_throughput", "(a) 16 concurrent: output tok/s"))
+    if "b" in workloads:
+        panels.append(("b", "output_throughput", "(b) 1 request: output tok/s"))
+    lat_key = "c" if "c" in workloads else ("b" if "b" in workloads else None)
+    if lat_key:
+        panels.append((lat_key, "latency", f"({lat_key}) median TTFT and TPOT (ms)"))
+    if not panels or not models:
+        return False
+    colors = {"tandem": "#1f77b4", NORADIX: "#aec7e8", "vllm": "#ff7f0e", "sglang": "#2ca02c", "hf": "#7f7f7f"}
+    fig, axes = plt.subplots(len(models), len(panels), figsize=(5 * len(panels), 3.8 * len(models)), squeeze=False)
+    for i, m in enumerate(models):
+        for j, (wk, metric, title) in enumerate(panels):
+            ax = axes[i][j]
+            engines = [e for e in _engine_order(agg, m, wk) if e != NORADIX]
+            if metric == "latency":
+                width = 0.38
+                for k, (lm, label) in enumerate((("median_ttft_ms", "TTFT"), ("median_tpot_ms", "TPOT"))):
+                    vals = [agg[(m, e, wk)].get(lm) for e in engines]
+                    xs = [x + (k - 0.5) * width for x in range(len(engines))]
+                    meds = [v[0] if v else 0 for v in vals]
+                    err = [[v[0] - v[1] if v else 0 for v in vals], [v[2] - v[0] if v else 0 for v in vals]]
+                    ax.bar(xs, meds, width, yerr=err, capsize=3, label=label,
+                           color=["#d62728", "#9467bd"][k], alpha=0.85)
+                ax.set_yscale("log")
+                positive = [v[1] for e in engines for lm in ("median_ttft_ms", "median_tpot_ms")
+                            if (v := agg[(m, e, wk)].get(lm)) and v[1] > 0]
+                if positive:
+                    ax.set_ylim(bottom=min(positive) / 3)
+                ax.legend(fontsize=8)
+            else:
+                vals = [agg[(m, e, wk)].get(metric) for e in engines]
+                meds = [v[0] if v else 0 for v in vals]
+                err = [[v[0] - v[1] if v else 0 for v in vals], [v[2] - v[0] if v else 0 for v in vals]]
+                ax.bar(range(len(engines)), meds, yerr=err, capsize=4, color=[colors[e] for e in engines])
+                for x, v in enumerate(meds):
+                    ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(engines)))
+            ax.set_xticklabels([ENGINE_LABELS[e].replace(" transformers", "") for e in engines], fontsize=8)
+            ax.set_title(f"{m}: {title}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Median of repeats; bars show min-max", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def machine_info() -> list[str]:
+    lines = []
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        model = info.get("Model name", "?").strip()
+        hyper = info.get("Hypervisor vendor", "").strip()
+        lines.append(f"CPU: {model}, {os.cpu_count()} cores (`nproc`), "
+                     f"{info.get('Thread(s) per core', '?').strip()} thread(s) per core"
+                     + (f", virtualized ({hyper})" if hyper else ""))
+    except (OSError, subprocess.TimeoutExpired):
+        lines.append(f"CPU: {os.cpu_count()} cores")
+    lines.append(f"RAM: {psutil.virtual_memory().total / 2**30:.0f} GiB; no GPU; {platform.system()} "
+                 f"{platform.release()}; Python {platform.python_version()}")
+    return lines
+
+
+def command_line(argv: list[str]) -> str:
+    return ".venv/bin/python benchmarks/compare.py " + " ".join(argv)
+
+
+def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan,
+                    versions: dict[str, str], plot_path: Path | None) -> str:
+    agg = aggregate(rows)
+    workloads = {k: v for k, v in make_workloads(args.quick, args.rates[plan.models[0]]).items()
+                 if k in plan.workloads}
+    smoke = args.quick or plan.repeats < 3
+    out = ["# Benchmarks: Tandem, vLLM, SGLang and HF transformers", ""]
+    if smoke:
+        out += ["> **SMOKE RUN** (`--quick`, or fewer than 3 repeats): these numbers only show that the",
+                "> comparison runs end to end. Fewer prompts and repeats than the full matrix; do not read",
+                "> them as results. Regenerate with the full command below in a quiet period.", ""]
+    out += [f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/compare.py`.", "",
+            "## Command", "", "```bash", args.command, "```", "",
+            "Full matrix (all engines present, both models, all workloads, 3 repeats):", "", "```bash",
+            "make bench-compare        # = .venv/bin/python benchmarks/compare.py", "```", "",
+            "## Machine", ""]
+    out += [f"- {line}" for line in machine_info()]
+    for e in [*plan.engines, NORADIX]:
+        if e in versions:
+            out.append(f"- {ENGINE_LABELS[e]}: {versions[e]}")
+    for e, why in plan.skipped.items():
+        out.append(f"- {ENGINE_LABELS.get(e, e)}: not run ({why})")
+    loads = [r["loadavg_1m"] for r in rows if r.get("loadavg_1m") is not None]
+    if loads:
+        out.append(f"- 1-minute load average at the start of each run: {min(loads):.2f} to {max(loads):.2f} "
+                   f"(median {statistics.median(loads):.2f}; the benchmark itself adds up to ~1; more means "
+                   "other processes competed for the cores)")
+    out += ["", "## Methodology", "",
+            "- Models: `python -m tandem.tools.make_tiny_model --arch llama --preset 7m|100m` (seeded random "
+            "weights, fp32; 7m = 7.3M parameters, 100m = 102M), one directory loaded by every engine.",
+            "- One engine at a time (the 1-minute load average at the start of each run is recorded above): start its server, wait for `GET /health`, "
+            "warm it up (16 concurrent short requests, then one), run every workload `--repeats` times, stop "
+            "it (SIGTERM to its process group, SIGKILL to anything left), then the next engine.",
+            "- Requests come from `tandem.bench_serving` (its dataset generators, `send_request`, "
+            "`run_requests` and `compute_metrics`, called in-process): prompts are token ids, greedy, "
+            "`ignore_eos`, streamed; Tandem and SGLang through native `POST /generate`, vLLM through "
+            "`POST /v1/completions`. Each run starts with one unmeasured warm-up request of its own.",
+            "- HF transformers runs in the benchmark process: `model.generate` on left-padded batches of the "
+            "same prompts (batch = the workload's concurrency), greedy, `min_new_tokens = max_new_tokens`; "
+            "TTFT and step times come from a streamer. It has no server, so no request-rate workload (c).",
+            "- Each repeat uses its own prompt seed (no cross-run prefix-cache hits). Tables show the median "
+            "of the repeats with the min-max range in parentheses.",
+            "- Metrics (SGLang's definitions, `tandem/benchmarks/metrics.py`): output tok/s = generated tokens "
+            "/ run duration (first send to last response); total tok/s adds prompt tokens; TTFT = first token "
+            "- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed tokens.",
+            f"- vLLM: `../shared/peers/serve.sh vllm DIR PORT --enable-prompt-tokens-details` (fp32, "
+            "max-model-len 2048; the flag only makes it report cached prompt tokens)"
+            + (", with `VLLM_CPU_OMP_THREADS_BIND=0-N VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on all "
+               "cores" if args.vllm_all_cores else ", vLLM's default CPU thread binding") + ". SGLang: "
+            "`serve.sh sglang` (CPU, fp32, torch-native, `--max-total-tokens 65536`). Tandem: "
+            "`python -m tandem.launch_server --model-path DIR --port P` with default flags.",
+            "", "### Workloads", "",
+            "| key | workload | bench_serving flags of the same prompts |", "|---|---|---|"]
+    for key, w in workloads.items():
+        rates = ""
+        if key == "c":
+            rates = " Rate per model: " + ", ".join(f"{m} {args.rates[m]:g} req/s" for m in plan.models) + "."
+        out.append(f"| {key} | {w.title}.{rates} | `{w.bench_serving_flags()}` |")
+    out += ["", "Output lengths are fixed at the value shown (bench_serving's `--random-range-ratio` would also "
+            "shorten outputs; this script applies it to prompts only).", "", "## Results", ""]
+    if plot_path is not None:
+        out += [f"![throughput and latency per engine]({plot_path.name})", ""]
+    out.append(render_tables(agg, plan.models, workloads, args.rates))
+    failed = [r for r in rows if r.get("workload") is None and r.get("status") == "error"]
+    if failed:
+        out += ["### Engines that did not run", ""]
+        out += [f"- {ENGINE_LABELS.get(r['engine'], r['engine'])} on {r['model']}: "
+                f"{r['error'].splitlines()[0][:300]}" for r in failed]
+        out.append("")
+    if args.notes and Path(args.notes).exists():
+        out += ["## Reading", "", Path(args.notes).read_text().strip(), ""]
+    else:
+        out += ["## Reading", "", "_To be written from a full run: where Tandem wins, where it loses, and why._", ""]
+    return "\n".join(out)
+
+
+def print_console(rows: list[dict[str, Any]], plan: Plan) -> None:
+    agg = aggregate(rows)
+    for m in plan.models:
+        r = best_peer_ratio(agg, m)
+        if r:
+            print(f"[compare] {m} (a) output tok/s: Tandem {r[0]:.0f}, best peer {ENGINE_LABELS[r[2]]} "
+                  f"{r[1]:.0f}, Tandem / best peer = {r[3]:.2f}x", flush=True)
+
+
+# ---- CLI ---------------------------------------------------------------------------
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _rates(value: str) -> dict[str, float]:
+    """'4' (every model) or '7m=4,100m=1.5'."""
+    rates = dict(DEFAULT_RATES)
+    for part in _csv(value):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            rates[k.strip()] = float(v)
+        else:
+            rates = {k: float(part) for k in ("tiny", "7m", "100m")}
+    return rates
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks/compare.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=_csv, default=list(ENGINES), help="comma list of tandem,vllm,sglang,hf")
+    p.add_argument("--models", type=_csv, default=["7m", "100m"], help="make_tiny_model presets (7m,100m)")
+    p.add_argument("--workloads", type=_csv, default=["a", "b", "c", "d"], help="comma list of a,b,c,d")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, fewer prompts")
+    p.add_argument("--rate", dest="rates", type=_rates, default=dict(DEFAULT_RATES),
+                   help="request rate of workload (c): '4' or per model '7m=4,100m=1.5' (default)")
+    p.add_argument("--radix-extra", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run Tandem with --disable-radix-cache on workload (d) (default on)")
+    p.add_argument("--vllm-all-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="let vLLM compute on every core (VLLM_CPU_OMP_THREADS_BIND; default on)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--results-jsonl", type=Path, default=Path("/tmp/tandem-bench/results.jsonl"))
+    p.add_argument("--from-jsonl", type=Path, default=None,
+                   help="render --out from saved rows instead of running anything")
+    p.add_argument("--notes", default=None, help="markdown file inserted as the 'Reading' section")
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench-models"))
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/tandem-bench/logs"))
+    p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", "/tmp/peers")))
+    p.add_argument("--peers-serve", type=Path, default=REPO.parent / "shared" / "peers" / "serve.sh")
+    p.add_argument("--start-timeout-scale", type=float, default=1.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+    for e in args.engines:
+        if e not in ENGINES:
+            p.error(f"--engines: unknown engine {e!r} (expected {','.join(ENGINES)})")
+    for w in args.workloads:
+        if w not in "abcd" or len(w) != 1:
+            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d)")
+    from tandem.tools.make_tiny_model import PRESETS
+
+    for m in args.models:
+        if m not in PRESETS:
+            p.error(f"--models: unknown preset {m!r} (expected {','.join(PRESETS)})")
+        args.rates.setdefault(m, 4.0)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def plan_from_rows(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace) -> None:
+    """--from-jsonl: take the models, engines, workloads, repeats, rates and command from the rows."""
+    if not rows:
+        raise SystemExit(f"{args.from_jsonl}: no rows")
+    plan.models = list(dict.fromkeys(r["model"] for r in rows))
+    present = {r["engine"] for r in rows}
+    plan.engines = [e for e in ENGINES if e in present]
+    plan.workloads = sorted({r["workload"] for r in rows if r.get("workload")})
+    plan.radix_extra = NORADIX in present
+    plan.repeats = 1 + max((r.get("repeat") or 0) for r in rows)
+    plan.skipped = {}
+    args.quick = any(r.get("quick") for r in rows)
+    for r in rows:
+        if r.get("workload") == "c" and isinstance(r.get("request_rate"), (int, float)):
+            args.rates[r["model"]] = float(r["request_rate"])
+    args.command = next((r["command"] for r in rows if r.get("command")), args.command)
+
+
+def warn_if_busy(threshold: float = 1.0) -> None:
+    """Benchmarks on 2 cores are only meaningful on an idle machine: say so when it is not."""
+    load = os.getloadavg()[0]
+    if load <= threshold:
+        return
+    busy = []
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            cpu = p.cpu_percent(interval=None)
+            busy.append((cpu, p))
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    top = []
+    for _, p in busy:
+        try:
+            top.append((p.cpu_percent(interval=None), p.pid, " ".join(p.info["cmdline"] or [p.info["name"]])[:100]))
+        except psutil.Error:
+            pass
+    top = [t for t in sorted(top, reverse=True)[:5] if t[0] > 10]
+    print(f"[compare] WARNING: 1-minute load average is {load:.2f} on {os.cpu_count()} cores; other processes "
+          "will distort the numbers. Busiest now: "
+          + ("; ".join(f"{c:.0f}% pid {pid} {cmd}" for c, pid, cmd in top) or "no single process above 10%"),
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+    engines, skipped = [], {}
+    for e in args.engines:
+        why = engine_available(e, args)
+        if why:
+            skipped[e] = why
+            print(f"[compare] skipping {e}: {why}", flush=True)
+        else:
+            engines.append(e)
+    plan = Plan(models=args.models, engines=engines, workloads=[k for k in "abcd" if k in args.workloads],
+                repeats=args.repeats, radix_extra=args.radix_extra and "tandem" in engines and "d" in args.workloads,
+                skipped=skipped)
+    args.command = command_line(argv)
+    t0 = time.monotonic()
+    if args.from_jsonl:
+        rows = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
+        plan_from_rows(rows, plan, args)
+    else:
+        warn_if_busy()
+        try:
+            rows = run_matrix(plan, args)
+        finally:
+            stop_all_servers()
+    versions = {}
+    for r in rows:
+        versions.setdefault(r["engine"], r.get("version") or engine_version(r["engine"], args))
+    plot_path = args.out.with_suffix(".png")
+    if not render_plot(aggregate(rows), plan.models,
+                       {k: v for k, v in make_workloads(args.quick, 1.0).items() if k in plan.workloads}, plot_path):
+        plot_path = None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render_markdown(rows, args, plan, versions, plot_path))
+    print_console(rows, plan)
+    print(f"[compare] wrote {args.out}" + (f" and {plot_path}" if plot_path else "") +
+          f"; raw rows in {args.from_jsonl or args.results_jsonl}; {time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
