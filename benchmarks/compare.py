@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import json
 import math
@@ -786,7 +785,7 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
             "- Metrics (SGLang's definitions, `tandem/benchmarks/metrics.py`): output tok/s = generated tokens "
             "/ run duration (first send to last response); total tok/s adds prompt tokens; TTFT = first token "
             "- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed tokens.",
-            f"- vLLM: `../shared/peers/serve.sh vllm DIR PORT --enable-prompt-tokens-details` (fp32, "
+            "- vLLM: `../shared/peers/serve.sh vllm DIR PORT --enable-prompt-tokens-details` (fp32, "
             "max-model-len 2048; the flag only makes it report cached prompt tokens)"
             + (", with `VLLM_CPU_OMP_THREADS_BIND=0-N VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on all "
                "cores" if args.vllm_all_cores else ", vLLM's default CPU thread binding") + ". SGLang: "

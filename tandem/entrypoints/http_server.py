@@ -49,6 +49,17 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
+async def read_json_object(request: Request) -> dict:
+    """The request body as a JSON object; ValueError with a client-facing message."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ValueError(f"request body: invalid JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError("request body: must be a JSON object")
+    return body
+
+
 def rejection(outputs: list[dict]) -> tuple[str, int] | None:
     """(message, status) when the scheduler refused a request outright (e.g. 503 when
     --max-queued-requests is reached), else None."""
@@ -124,11 +135,9 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
     async def abort_request(request: Request) -> Response:
         """{"rid": ...} or {"abort_all": true}: each finishes with finish_reason.type "abort"."""
         try:
-            body = json.loads(await request.body())
+            body = await read_json_object(request)
         except ValueError as e:
-            return error_response(f"request body: invalid JSON ({e})")
-        if not isinstance(body, dict):
-            return error_response("request body: must be a JSON object")
+            return error_response(str(e))
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not isinstance(abort_all, bool):
             return error_response("abort_all: must be a boolean")
@@ -140,11 +149,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return error_response(f"request body: invalid JSON ({e})")
-        try:
-            obj = GenerateReqInput.from_json(body)
+            obj = GenerateReqInput.from_json(await read_json_object(request))
             streams = tm.generate_request(obj)
         except (ValueError, TypeError) as e:
             return error_response(str(e))

@@ -41,19 +41,8 @@ class DetokenizerManager:
                 logger.error("detokenizer got an unknown message %r", type(msg))
 
     def handle_batch_token_id_out(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
-        out = BatchStrOutput(
-            rids=msg.rids,
-            new_token_ids=msg.new_token_ids,
-            finished_reasons=msg.finished_reasons,
-            prompt_tokens=msg.prompt_tokens,
-            completion_tokens=msg.completion_tokens,
-            cached_tokens=msg.cached_tokens,
-            retractions=msg.retractions,
-            output_token_logprobs=msg.output_token_logprobs,
-            output_top_logprobs=msg.output_top_logprobs,
-            input_token_logprobs=msg.input_token_logprobs,
-            input_top_logprobs=msg.input_top_logprobs,
-        )
+        out = BatchStrOutput(rids=msg.rids, new_token_ids=msg.new_token_ids,
+                             finished_reasons=msg.finished_reasons, **msg.meta())
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)
             if state is None:

@@ -95,26 +95,20 @@ class DetokenizeParams:
 
 
 @dataclass
-class BatchTokenIDOutput:
-    """New token ids of every request that advanced in one scheduler step.
+class BatchOutputMeta:
+    """Per-request fields that the scheduler's outputs carry through the detokenizer
+    unchanged. Lists are parallel to `rids` of the subclass, one entry per request.
 
-    Lists are parallel, one entry per request. `new_token_ids[i]` holds only the ids
-    produced since the previous message for that rid. `finished_reasons[i]` is None
-    while the request runs, else SGLang's dict: {"type": "stop", "matched": ...},
-    {"type": "length", "length": N} or {"type": "abort", "message": ...}.
+    The logprob lists are None for a request that did not ask for logprobs; otherwise
+    they hold (logprob, token_id) pairs of the new output tokens, their top alternatives,
+    and (in the request's first output only) the prompt's logprobs from
+    logprob_start_len on.
     """
 
-    rids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
-    detokenize_params: list[DetokenizeParams | None] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     retractions: list[int] = field(default_factory=list)
-    # Per request, only when it asked for logprobs (else None): (logprob, token_id)
-    # pairs of the new output tokens, their top alternatives, and (in the first
-    # output only) the prompt's logprobs from logprob_start_len on.
     output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
@@ -122,7 +116,27 @@ class BatchTokenIDOutput:
 
 
 @dataclass
-class BatchStrOutput:
+class BatchTokenIDOutput(BatchOutputMeta):
+    """New token ids of every request that advanced in one scheduler step.
+
+    `new_token_ids[i]` holds only the ids produced since the previous message for that
+    rid. `finished_reasons[i]` is None while the request runs, else SGLang's dict:
+    {"type": "stop", "matched": ...}, {"type": "length", "length": N} or
+    {"type": "abort", "message": ...} (with "status_code" when the request was refused).
+    """
+
+    rids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
+    detokenize_params: list[DetokenizeParams | None] = field(default_factory=list)
+
+    def meta(self) -> dict[str, list]:
+        """The BatchOutputMeta fields, to pass on unchanged."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(BatchOutputMeta)}
+
+
+@dataclass
+class BatchStrOutput(BatchOutputMeta):
     """Text deltas for the tokenizer manager; parallel lists as in BatchTokenIDOutput.
 
     `text_deltas[i]` is the text that became final since the previous message for that
@@ -134,14 +148,6 @@ class BatchStrOutput:
     text_deltas: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
     finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    completion_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    retractions: list[int] = field(default_factory=list)
-    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
-    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
 
 
 @dataclass

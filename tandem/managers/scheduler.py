@@ -20,6 +20,7 @@ import faulthandler
 import logging
 import signal
 import sys
+import time
 import traceback
 
 import zmq
@@ -307,9 +308,14 @@ class Scheduler:
 
     # ---- running -------------------------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        if self.compute_threads is not None:
-            self.compute_threads.apply(batch.forward_mode)
-        return self.worker.forward_batch_generation(batch)
+        if self.compute_threads is None:
+            return self.worker.forward_batch_generation(batch)
+        self.compute_threads.apply(batch.forward_mode)
+        tic = time.perf_counter()
+        result = self.worker.forward_batch_generation(batch)
+        if batch.forward_mode.is_decode():
+            self.compute_threads.observe_decode(time.perf_counter() - tic)
+        return result
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         extend = batch.forward_mode.is_extend()

@@ -140,6 +140,26 @@ class RadixCache:
         parent.children[upper.key[0]] = upper
         return upper
 
+    def _walk(self, key: Sequence[int]) -> tuple[list[TreeNode], TreeNode, int]:
+        """Follow `key` down from the root: (matched nodes, deepest node, tokens matched).
+
+        A match that ends inside an edge splits that node, so the deepest node ends exactly
+        at the match. Every node on the path gets a fresh `last_access`, root side first.
+        """
+        node, pos, path = self.root_node, 0, []
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            k = _common_prefix_len(key, pos, child.key)
+            if k < len(child.key):
+                child = self._split(child, k)
+            child.last_access = self._tick()
+            path.append(child)
+            node = child
+            pos += k
+        return path, node, pos
+
     # ------------------------------------------------------------------ API
 
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
@@ -148,22 +168,8 @@ class RadixCache:
         If the match ends inside an edge, that node is split so that `last_node` ends exactly
         at the match. Every node on the matched path gets a fresh `last_access` (root first).
         """
-        node = self.root_node
-        pos = 0
-        values: list[torch.Tensor] = []
-        n = len(key)
-        while pos < n:
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            k = _common_prefix_len(key, pos, child.key)
-            if k < len(child.key):
-                child = self._split(child, k)
-            child.last_access = self._tick()
-            values.append(child.value)
-            node = child
-            pos += k
-        slots = torch.cat(values) if values else self._empty()
+        path, node, _ = self._walk(key)
+        slots = torch.cat([n.value for n in path]) if path else self._empty()
         return MatchResult(slots=slots, last_node=node)
 
     def insert(self, key: Sequence[int], slots: torch.Tensor) -> int:
@@ -181,19 +187,8 @@ class RadixCache:
         """
         key = tuple(key)
         assert slots.dim() == 1 and slots.numel() == len(key), (slots.shape, len(key))
-        node = self.root_node
-        pos = 0
+        _, node, pos = self._walk(key)
         n = len(key)
-        while pos < n:
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            k = _common_prefix_len(key, pos, child.key)
-            if k < len(child.key):
-                child = self._split(child, k)
-            child.last_access = self._tick()
-            node = child
-            pos += k
         if pos < n:
             value = slots[pos:].to(torch.int64).clone()
             leaf = self._new_node(key[pos:], value, node)

@@ -38,10 +38,10 @@ piece reachable by two overlapping splits at once, which llama2.c resolves by
 position, could in principle differ). The decoder drops the dummy-prefix space.
 
 BOS/EOS: llama2.c's own sampler stops when the model emits BOS (id 1), which
-is how TinyStories separates stories. Here the config's ``eos_token_id`` is 2
-(``</s>``) and ``bos_token_id`` 1, as for every Llama checkpoint, so greedy
-generation runs on into the next story until ``max_tokens`` unless a caller
-also stops on id 1.
+is how TinyStories separates stories. config.json keeps ``eos_token_id`` 2
+(``</s>``) and ``bos_token_id`` 1, as for every Llama checkpoint, and
+generation_config.json lists both 2 and 1 as EOS, so that transformers'
+``generate`` and Tandem both end a story where llama2.c does.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+from tandem.tools.make_tiny_model import added_tokens_decoder
 
 SPACE = "\u2581"  # "▁"
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
@@ -261,11 +263,7 @@ def build_tokenizer(pieces: list[str], scores: list[float]) -> Tokenizer:
 
 
 def tokenizer_config(max_length: int) -> dict:
-    added = {
-        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, tok in enumerate((UNK, BOS, EOS))
-    }
+    added = added_tokens_decoder(enumerate((UNK, BOS, EOS)))
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
@@ -297,7 +295,7 @@ def convert_llama2c(checkpoint: str | Path, tokenizer: str | Path, out_dir: str 
 
     save_file(to_hf_state_dict(cfg, tensors), str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", hf_config(cfg))
-    _write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    _write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2, 1]})
     build_tokenizer(pieces, scores).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(cfg.seq_len))
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK})

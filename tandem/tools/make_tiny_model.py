@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,15 +382,18 @@ def make_config(preset: Preset, vocab_size: int, arch: str, bos_id: int, eos_id:
     return config
 
 
+def added_tokens_decoder(specials: Iterable[tuple[int, str]]) -> dict:
+    """The `added_tokens_decoder` entry of tokenizer_config.json for special tokens."""
+    return {
+        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+        for i, tok in specials
+    }
+
+
 def tokenizer_config(tokenizer: Tokenizer, add_bos: bool) -> dict:
     """tokenizer_config.json contents for ``PreTrainedTokenizerFast``."""
-    added = {
-        str(tokenizer.token_to_id(tok)): {
-            "content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
-        }
-        for tok in SPECIAL_TOKENS
-    }
+    added = added_tokens_decoder((tokenizer.token_to_id(tok), tok) for tok in SPECIAL_TOKENS)
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,

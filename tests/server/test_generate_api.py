@@ -10,27 +10,10 @@ import httpx
 import pytest
 
 import hf_reference
+from http_helpers import generate
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
-
-
-def generate(client, **body) -> dict:
-    r = client.post("/generate", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def stream_chunks(client, **body) -> list[dict]:
@@ -140,7 +123,7 @@ def test_64_concurrent_requests(server, client):
                                      limits=httpx.Limits(max_connections=100)) as ac:
             async def one(i: int, p: str) -> dict:
                 if i % 2:
-                    text, ids, last = "", [], None
+                    last = None
                     async with ac.stream("POST", "/generate", json={"text": p, "sampling_params": params,
                                                                    "stream": True}) as r:
                         async for line in r.aiter_lines():

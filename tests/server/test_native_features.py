@@ -9,48 +9,13 @@ import threading
 import time
 
 import httpx
-import pytest
 import torch
 
 import hf_reference
+from http_helpers import assert_memory_idle, generate, wait_idle
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
-
-
-def generate(client, **body) -> dict:
-    r = client.post("/generate", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def wait_idle(client, timeout: float = 20.0) -> dict:
-    """Poll /server_info until nothing runs or waits; return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.get("/server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.1)
-
-
-def assert_memory_idle(client) -> None:
-    info = wait_idle(client)
-    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"], info
-    assert info["protected_cached_slots"] == 0
 
 
 def test_logprobs_match_transformers(client, tiny_llama_dir):

@@ -5,11 +5,11 @@ the server survives running out of KV memory."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
+from http_helpers import assert_memory_idle
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
@@ -32,16 +32,8 @@ def run_all(base_url: str, prompts: list[str], params: dict) -> list[dict]:
 
 
 def assert_idle_invariant(base_url: str) -> dict:
-    deadline = time.monotonic() + 20
-    while True:
-        info = httpx.get(base_url + "/server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"], info
-    assert info["protected_cached_slots"] == 0, info
-    return info
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        return assert_memory_idle(client)
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ def test_config(converted):
     assert (cfg["rope_theta"], cfg["rms_norm_eps"], cfg["tie_word_embeddings"]) == (10000.0, 1e-5, True)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["torch_dtype"]) == (1, 2, "float32")
     gen = json.loads((converted / "generation_config.json").read_text())
-    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, [2, 1])
 
 
 def test_safetensors_names_tied(converted):

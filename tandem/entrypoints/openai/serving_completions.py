@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
 
-from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.openai.common import (
     SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
     open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
