@@ -62,6 +62,11 @@ class Req:
         return len(self.origin_input_ids)
 
     @property
+    def seq_len(self) -> int:
+        """len(seq_ids), without building the list (used in the scheduler's hot loop)."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
     def seq_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
@@ -104,11 +109,10 @@ class ScheduleBatch:
         positions: list[int] = []
         prefix_lens, extend_lens, seq_lens = [], [], []
         for i, req in enumerate(self.reqs):
-            seq = req.seq_ids
             if self.forward_mode.is_extend():
-                new = seq[req.kv_len : req.kv_len + self.extend_lens[i]]
+                new = req.seq_ids[req.kv_len : req.kv_len + self.extend_lens[i]]
             else:
-                new = seq[-1:]
+                new = req.output_ids[-1:]
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(new))
             seq_lens.append(req.kv_len + len(new))

@@ -33,7 +33,7 @@ class SchedulePolicy:
     def order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
             return waiting
-        lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: len(r.seq_ids) - 1]).slots.numel()
+        lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: r.seq_len - 1]).slots.numel()
                 for r in waiting}
         return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
 

@@ -194,7 +194,7 @@ class Scheduler:
 
     def _future_need(self, req: Req) -> int:
         """KV `req` is expected to still take: its uncomputed sequence plus expected outputs."""
-        return len(req.seq_ids) - req.kv_len + expected_future_tokens(req, self.new_token_ratio.value)
+        return req.seq_len - req.kv_len + expected_future_tokens(req, self.new_token_ratio.value)
 
     def get_new_prefill_batch(self) -> ScheduleBatch | None:
         """Continue the chunked request, then admit waiting requests while KV fits.
@@ -214,7 +214,7 @@ class Scheduler:
             extend_lens.append(self._extend_len(req, token_budget))
             reqs.append(req)
             token_budget -= extend_lens[0]
-            if extend_lens[0] < len(req.seq_ids) - req.kv_len:
+            if extend_lens[0] < req.seq_len - req.kv_len:
                 token_budget = 0  # still chunking: nothing else joins
         for req in self.policy.order(self.waiting_queue):
             if token_budget <= 0 or len(self.running) + len(reqs) >= self.max_running_requests:
@@ -236,7 +236,7 @@ class Scheduler:
             extend_lens.append(n)
             reserved += need
             token_budget -= n
-            if n < len(req.seq_ids) - req.kv_len:  # chunked: the rest follows in later steps
+            if n < req.seq_len - req.kv_len:  # chunked: the rest follows in later steps
                 self.chunked_req = req
                 break
         if not reqs:
@@ -249,7 +249,7 @@ class Scheduler:
 
     def _extend_len(self, req: Req, token_budget: int) -> int:
         """Tokens `req` computes in this prefill: all that remain, unless chunked."""
-        remaining = len(req.seq_ids) - req.kv_len
+        remaining = req.seq_len - req.kv_len
         if self.chunk_size is None or req.wants_input_logprobs():
             return remaining  # NOTE: prompt logprobs need the whole prompt in one forward
         return max(1, min(remaining, self.chunk_size, token_budget))
@@ -258,7 +258,7 @@ class Scheduler:
     def _max_prefix_len(req: Req) -> int:
         """Longest cached prefix worth reusing: never the whole sequence (the last token
         must be computed for its logits), nor past where prompt logprobs start."""
-        limit = len(req.seq_ids) - 1
+        limit = req.seq_len - 1
         if req.wants_input_logprobs():
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         return limit
@@ -323,7 +323,7 @@ class Scheduler:
             req.kv_len += batch.extend_lens[i] if extend else 1
             if extend and result.input_logprobs and result.input_logprobs[i] is not None:
                 self._record_input_logprobs(req, result.input_logprobs[i])
-            if extend and req.kv_len < len(req.seq_ids):  # a chunk of a longer prompt
+            if extend and req.kv_len < req.seq_len:  # a chunk of a longer prompt
                 self.kv.cache_unfinished(req)
                 if req.to_abort is not None:
                     req.finished_reason = {"type": "abort", "message": req.to_abort}
