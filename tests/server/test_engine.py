@@ -62,8 +62,10 @@ def test_sync_generate_and_batch(engine):
 
 
 def test_streaming_equals_non_streaming(engine):
-    full = engine.generate(PROMPTS[1], PARAMS)
-    chunks = list(engine.generate(PROMPTS[1], PARAMS, stream=True))
+    # Long enough that a chunk arrives before the end even on a starved machine.
+    params = {**PARAMS, "max_new_tokens": 300, "ignore_eos": True}
+    full = engine.generate(PROMPTS[1], params)
+    chunks = list(engine.generate(PROMPTS[1], params, stream=True))
     assert len(chunks) > 1
     assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
 

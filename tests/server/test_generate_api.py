@@ -14,6 +14,10 @@ from http_helpers import generate
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0}
+# Long enough that some chunk reaches the client before the request finishes even when
+# the scheduler starves the main process on a loaded 2-core machine (chunks that pile up
+# are coalesced into one, by design, so a short stream may arrive as a single chunk).
+LONG_STREAM = {**GREEDY, "max_new_tokens": 300, "ignore_eos": True}
 
 
 def stream_chunks(client, **body) -> list[dict]:
@@ -30,7 +34,7 @@ def stream_chunks(client, **body) -> list[dict]:
 
 
 def test_stream_equals_non_stream(client):
-    params = {**GREEDY, "max_new_tokens": 40}
+    params = LONG_STREAM
     full = generate(client, text="The weather today is", sampling_params=params)
     chunks = stream_chunks(client, text="The weather today is", sampling_params=params)
     assert len(chunks) > 1
@@ -184,7 +188,12 @@ def test_incremental_streaming_output_deltas_join_to_the_text(client, tiny_llama
     with ServerHandle(tiny_llama_dir, extra_args=["--incremental-streaming-output", "--skip-server-warmup"]) as s:
         with httpx.Client(base_url=s.base_url, timeout=60) as inc:
             chunks = stream_chunks(inc, text="Deltas join", sampling_params=params)
-    assert len(chunks) > 1
+            long_full = generate(inc, text="Deltas join", sampling_params=LONG_STREAM)
+            long_chunks = stream_chunks(inc, text="Deltas join", sampling_params=LONG_STREAM)
     assert "".join(c["text"] for c in chunks) == full["text"]
     assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    # Deltas, not the text so far: several chunks whose ids add up to the whole output once.
+    assert len(long_chunks) > 1
+    assert [t for c in long_chunks for t in c["output_ids"]] == long_full["output_ids"]
+    assert "".join(c["text"] for c in long_chunks) == long_full["text"]
