@@ -41,6 +41,7 @@ class ServerArgs:
     max_queued_requests: int | None = None
     api_key: str | None = None
     chat_template: str | None = None
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -62,6 +63,8 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens: must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 to disable")
+        if self.linear_backend not in ("auto", "torch"):
+            raise ValueError(f"--linear-backend: unknown backend {self.linear_backend!r}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
         for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests"):
@@ -111,6 +114,9 @@ class ServerArgs:
             help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.")
         add("--chat-template", default=None,
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
+        add("--linear-backend", default="auto", choices=["auto", "torch"],
+            help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
+                 "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

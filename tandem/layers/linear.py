@@ -6,6 +6,11 @@ part of a checkpoint tensor this rank owns into the right place:
   RowParallelLinear     splits the input dim; all-reduces the partial outputs.
   MergedColumnParallelLinear / QKVParallelLinear fuse several column layers (gate+up,
   q+k+v) into one matmul; `shard_id` names which part a checkpoint tensor is.
+  ReplicatedLinear      the whole weight on every rank (the LM head).
+
+After loading, `process_weights_after_loading(backend)` picks the matmul kernel
+(`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the weight, and
+`weight` is then left empty unless the caller keeps it (a head tied to the embedding).
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 
-class _Linear(nn.Module):
+
+class LinearBase(nn.Module):
+    """A linear layer with a per-rank `weight` [out, in] (and `bias`), loaded through
+    `weight_loader`, multiplied by the kernel `process_weights_after_loading` chose."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -24,15 +34,32 @@ class _Linear(nn.Module):
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader
+        self.kernel: LinearKernel | None = None
+
+    # The bias the kernel adds (RowParallelLinear adds its own after the all-reduce).
+    def _kernel_bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def process_weights_after_loading(self, backend: str, keep_weight: bool = False) -> None:
+        """Choose the matmul kernel for the loaded weight; free `weight` when a packed
+        kernel holds it, unless `keep_weight` (it is shared with another module)."""
+        self.kernel = make_linear_kernel(self.weight.data, self._kernel_bias(), backend)
+        if self.kernel is not None and not keep_weight:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight, self._kernel_bias())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
         assert out_features % tp_size == 0
         super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
@@ -42,13 +69,26 @@ class ColumnParallelLinear(_Linear):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
-class RowParallelLinear(_Linear):
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(in_features, out_features, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        param.data.copy_(loaded)
+
+
+class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
         assert in_features % tp_size == 0
         super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
 
+    def _kernel_bias(self) -> torch.Tensor | None:
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out + self.bias if self.bias is not None else out
@@ -61,7 +101,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
 
-class MergedColumnParallelLinear(_Linear):
+class MergedColumnParallelLinear(LinearBase):
     """Several column layers of the same input fused along the output dim."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,

@@ -8,9 +8,9 @@ sampling transforms), as SGLang reports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from tandem.model_executor.forward_batch import ForwardBatch
 
@@ -39,11 +39,13 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]
 
 
 class LogitsProcessor:
-    def __call__(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, fb: ForwardBatch) -> LogitsProcessorOutput:
+    def __call__(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                 fb: ForwardBatch) -> LogitsProcessorOutput:
+        """`lm_head` maps hidden states [n, hidden] to logits [n, vocab]."""
         if fb.forward_mode.is_decode():
-            return LogitsProcessorOutput(F.linear(hidden, lm_head_weight).float(), [None] * fb.batch_size)
+            return LogitsProcessorOutput(lm_head(hidden).float(), [None] * fb.batch_size)
         last = hidden[fb.last_token_indices()]
-        out = LogitsProcessorOutput(F.linear(last, lm_head_weight).float())
+        out = LogitsProcessorOutput(lm_head(last).float())
         starts = fb.input_logprob_starts or [-1] * fb.batch_size
         offset = 0
         for i, start in enumerate(starts):
@@ -52,13 +54,13 @@ class LogitsProcessor:
                 out.input_logprobs.append(None)
             else:
                 out.input_logprobs.append(self._input_logprobs(
-                    hidden[offset : offset + extend_len], lm_head_weight, fb.input_ids[offset : offset + extend_len],
+                    hidden[offset : offset + extend_len], lm_head, fb.input_ids[offset : offset + extend_len],
                     prefix_len, start, fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0))
             offset += extend_len
         return out
 
     @staticmethod
-    def _input_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, prefix_len: int,
+    def _input_logprobs(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, prefix_len: int,
                         start: int, top_k: int) -> InputLogprobs:
         """Prompt token j (absolute) is scored by the logits at position j - 1.
 
@@ -71,7 +73,7 @@ class LogitsProcessor:
         token_logprobs: list[float | None] = [None] if start == 0 else []
         tops: list[list[tuple[float, int]]] = [[]] if start == 0 else []
         if first < end:
-            logits = F.linear(hidden[first - 1 - prefix_len : end - 1 - prefix_len], weight).float()
+            logits = lm_head(hidden[first - 1 - prefix_len : end - 1 - prefix_len]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             targets = ids[first - prefix_len : end - prefix_len]
             token_logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()

@@ -67,6 +67,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(iterate_weights(self.server_args.model_path))
+        model.process_weights_after_loading(self.server_args.linear_backend)
         self.model = model.eval()
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim

@@ -17,8 +17,10 @@ from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from tandem.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from tandem.layers.rotary import RotaryEmbedding
@@ -141,16 +143,23 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, tp_rank, tp_size)
         self.logits_processor = LogitsProcessor()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            # One parameter under two names; the checkpoint's lm_head.weight (if any) is skipped.
+            self.lm_head.weight = self.model.embed_tokens.weight
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+    def process_weights_after_loading(self, linear_backend: str) -> None:
+        """Choose every linear layer's matmul kernel (`--linear-backend`) once loaded."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                # A tied head shares its weight with the embedding lookup: keep it.
+                keep = module is self.lm_head and self.tie_word_embeddings
+                module.process_weights_after_loading(linear_backend, keep_weight=keep)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, ctx: ModelContext) -> LogitsProcessorOutput:
         hidden = self.model(fb.input_ids, fb.positions, fb, ctx)
-        return self.logits_processor(hidden, self.lm_head_weight(), fb)
+        return self.logits_processor(hidden, self.lm_head, fb)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -33,12 +33,15 @@ async def _generate_all(base_url: str, prompts: list[str]) -> list[dict]:
         return await asyncio.gather(*[one(p) for p in prompts])
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "stories_dir"])
-def test_greedy_matches_transformers(model_fixture, request):
+@pytest.mark.parametrize("model_fixture,linear_backend", [
+    ("tiny_llama_dir", "auto"), ("tiny_qwen2_dir", "auto"), ("stories_dir", "auto"),
+    # F.linear on the weights as loaded, untied and tied LM heads.
+    ("tiny_llama_dir", "torch"), ("tiny_qwen2_dir", "torch")])
+def test_greedy_matches_transformers(model_fixture, linear_backend, request):
     model_dir = request.getfixturevalue(model_fixture)
     expected = [hf_reference.greedy_ids(model_dir, hf_reference.encode(model_dir, p), MAX_NEW_TOKENS)
                 for p in PROMPTS]
-    with ServerHandle(model_dir) as server:
+    with ServerHandle(model_dir, extra_args=["--linear-backend", linear_backend]) as server:
         outputs = asyncio.run(_generate_all(server.base_url, PROMPTS))
     for prompt, out, ref in zip(PROMPTS, outputs, expected):
         assert out["output_ids"] == ref, f"prompt {prompt!r}"
