@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,7 +63,3 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
     except RuntimeError:  # a build whose oneDNN refuses this shape or dtype
         return None
 
-
-def torch_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearKernel:
-    """`F.linear` over `weight` as a kernel (the `torch` backend, and the fallback)."""
-    return lambda x: F.linear(x, weight, bias)
