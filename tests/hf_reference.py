@@ -16,13 +16,15 @@ def load(model_dir: str):
 
 
 @torch.inference_mode()
-def greedy_ids(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF greedy `generate` output ids, cut after the first EOS (inclusive)."""
+def greedy_ids(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """HF greedy `generate` output ids, cut after the first EOS (inclusive).
+
+    `generate_kwargs` go to `generate` (e.g. repetition_penalty, logits_processor)."""
     _, model = load(str(model_dir))
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [])
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs)
     ids = out[0, len(prompt_ids):].tolist()
     for i, t in enumerate(ids):
         if t in eos:

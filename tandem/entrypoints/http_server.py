@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.streams import last_outputs, merge_streams, refusal
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
@@ -58,16 +58,6 @@ async def read_json_object(request: Request) -> dict:
     if not isinstance(body, dict):
         raise ValueError("request body: must be a JSON object")
     return body
-
-
-def rejection(outputs: list[dict]) -> tuple[str, int] | None:
-    """(message, status) when the scheduler refused a request outright (e.g. 503 when
-    --max-queued-requests is reached), else None."""
-    for out in outputs:
-        reason = out["meta_info"]["finish_reason"] or {}
-        if reason.get("status_code"):
-            return reason["message"], reason["status_code"]
-    return None
 
 
 def sse(obj: Any) -> bytes:
@@ -163,7 +153,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
                     first.append(await await_or_disconnect(request, anext(streams[0])))
                 except ClientDisconnected:
                     return Response(status_code=499)
-                rejected = rejection(first)
+                rejected = refusal(first)
                 if rejected is not None:
                     return error_response(*rejected)
 
@@ -179,7 +169,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             results = await await_or_disconnect(request, last_outputs(streams))
         except ClientDisconnected:
             return Response(status_code=499)
-        rejected = rejection(results)
+        rejected = refusal(results)
         if rejected is not None:
             return error_response(*rejected)
         return json_response(results if multi else results[0])

@@ -55,3 +55,25 @@ async def last_outputs(streams: Iterable[AsyncIterator[dict]]) -> list[dict[str,
     finally:
         for t in tasks:
             t.cancel()
+
+
+def refusal(outputs: Iterable[dict[str, Any]]) -> tuple[str, int] | None:
+    """(message, HTTP status) when the scheduler refused a request outright (503 when
+    --max-queued-requests is reached), else None."""
+    for out in outputs:
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("status_code"):
+            return reason["message"], reason["status_code"]
+    return None
+
+
+async def put_back(first: dict[str, Any], stream: AsyncIterator[dict]) -> AsyncIterator[dict[str, Any]]:
+    """`stream` with `first`, already taken from it, in front again. Closing this closes
+    `stream` (which aborts its request if unfinished)."""
+    try:
+        yield first
+        async for chunk in stream:
+            yield chunk
+    finally:
+        await stream.aclose()
+

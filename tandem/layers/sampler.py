@@ -3,7 +3,9 @@
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with
 E ~ Exp(1)), which lets each request draw its noise from its own generator. A request
 with `sampling_seed` gets a generator seeded from (seed, number of tokens generated so
-far), so its tokens do not depend on what else shares the batch.
+far), so its tokens do not depend on what else shares the batch. Penalties
+(`tandem.sampling.penalties`) adjust a copy of the logits first; the caller's logits
+(from which logprobs are reported) are never modified.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.sampling.penalties import PenaltyBatch
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -24,10 +27,11 @@ class SamplingBatchInfo:
     is_greedy: list[bool]
     seeds: list[int | None]
     output_lens: list[int]  # tokens generated so far, mixed into seeded generators
+    penalties: PenaltyBatch | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], vocab_size: int,
-                    device: str) -> "SamplingBatchInfo":
+                    device: str, penalties: PenaltyBatch | None = None) -> "SamplingBatchInfo":
         return cls(
             temperatures=torch.tensor([[max(p.temperature, 1e-6)] for p in params], dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
@@ -36,6 +40,7 @@ class SamplingBatchInfo:
             is_greedy=[p.is_greedy for p in params],
             seeds=[p.sampling_seed for p in params],
             output_lens=list(output_lens),
+            penalties=penalties,
         )
 
     @property
@@ -51,6 +56,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits [bs, vocab] float32 -> next token ids [bs] int64."""
+        if info.penalties is not None:
+            logits = info.penalties.apply(logits)
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:
             return greedy_ids

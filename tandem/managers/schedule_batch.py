@@ -19,6 +19,7 @@ import torch
 from tandem.layers.sampler import SamplingBatchInfo
 from tandem.managers.io_struct import DetokenizeParams
 from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.sampling.penalties import PenaltyBatch, PenaltyInput
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Token ids masked until min_new_tokens are generated: its stop token ids and EOS.
+    min_tokens_banned: list[int] = field(default_factory=list)
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
@@ -136,6 +139,9 @@ class ScheduleBatch:
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:
+        penalties = PenaltyBatch.build(
+            [PenaltyInput(r.sampling_params, r.origin_input_ids, r.output_ids, r.min_tokens_banned)
+             for r in self.reqs], device)
         return SamplingBatchInfo.from_params(
-            [r.sampling_params for r in self.reqs], [len(r.output_ids) for r in self.reqs], vocab_size, device
-        )
+            [r.sampling_params for r in self.reqs], [len(r.output_ids) for r in self.reqs], vocab_size, device,
+            penalties)

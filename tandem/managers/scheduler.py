@@ -145,6 +145,10 @@ class Scheduler:
         # KV pool; the output is capped so that one request alone always fits both.
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len,
                                 self.max_total_num_tokens - req.prompt_len)
+        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        if sp.min_new_tokens > 0:
+            eos = set() if sp.ignore_eos else self.finish_checker.eos_token_ids
+            req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
         self.waiting_queue.append(req)
 
     def server_state(self, request_id: str) -> ServerStateOutput:

@@ -1,8 +1,8 @@
 """Sampling parameters of one request, validated where they enter the server.
 
-`SamplingParams` uses SGLang's field names. `normalize()` fills defaults that depend
-on the model (EOS ids) and `verify()` raises `ValueError` whose message names the
-offending field, which the HTTP layer turns into a 400.
+`SamplingParams` uses SGLang's field names. `verify()` raises `ValueError` whose message
+names the offending field, which the HTTP layer turns into a 400. The penalties and
+`min_new_tokens` are applied by `tandem.sampling.penalties`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -81,6 +85,17 @@ class SamplingParams:
         if self.sampling_seed is not None:
             _check_int("sampling_seed", self.sampling_seed)
         _check_int("n", self.n, lo=1)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling_params.{name}: must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling_params.repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
+        _check_int("min_new_tokens", self.min_new_tokens, lo=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"sampling_params.min_new_tokens: must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
 
 
 def _check_int(name: str, value: Any, lo: int | None = None) -> None:

@@ -159,7 +159,9 @@ def test_models_and_tokenize(server, client, tokenizer):
 @pytest.mark.parametrize("kwargs,param", [
     ({"temperature": -1}, "temperature"),
     ({"model": "gpt-4"}, "model"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"extra_body": {"min_tokens": 9}}, "min_tokens"),
     ({"max_tokens": 1000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "sea " * 300}]}, "messages"),
     ({"top_logprobs": 3}, "top_logprobs"),

@@ -148,3 +148,31 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
         codes = asyncio.run(streamed())
         assert 503 in codes and 200 in codes, codes
         assert_idle_invariant(server.base_url)
+
+        # The OpenAI routes answer a refusal with 503 in OpenAI's error shape, streamed or not.
+        async def openai_routes(stream: bool) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                async def one(i: int) -> httpx.Response:
+                    route, body = (("/v1/completions", {"prompt": f"queue {i}"}) if i % 2 else
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"q {i}"}]}))
+                    body = {**body, "model": str(tiny_llama_dir), "max_tokens": 200, "ignore_eos": True,
+                            "stream": stream}
+                    async with client.stream("POST", route, json=body) as r:
+                        await r.aread()
+                        return r
+                return await asyncio.gather(*[one(i) for i in range(6)])
+
+        for stream in (False, True):
+            responses = asyncio.run(openai_routes(stream))
+            codes = sorted(r.status_code for r in responses)
+            assert 503 in codes and 200 in codes, (stream, codes)
+            for r in responses:
+                if r.status_code == 503:
+                    err = r.json()
+                    assert err["object"] == "error" and "busy" in err["message"], err
+                    assert err["type"] == "ServiceUnavailableError"
+                elif stream:
+                    assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in r.text
+                else:
+                    assert r.json()["usage"]["completion_tokens"] == 200
+            assert_idle_invariant(server.base_url)

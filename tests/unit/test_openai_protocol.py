@@ -78,7 +78,7 @@ def test_max_tokens_budget():
 
 
 @pytest.mark.parametrize("field,value,ok", [
-    ("frequency_penalty", 0.5, False), ("frequency_penalty", 0, True), ("presence_penalty", -1.0, False),
+    ("frequency_penalty", 0.5, True), ("presence_penalty", -1.0, True), ("repetition_penalty", 1.2, True),
     ("logit_bias", {"5": 1.0}, False), ("logit_bias", {}, True), ("tools", [{"type": "function"}], False),
     ("tools", [], True), ("response_format", {"type": "json_object"}, False),
     ("response_format", {"type": "text"}, True), ("tool_choice", "none", True),
@@ -375,7 +375,7 @@ def test_fake_errors(fake_app):
         ({**body, "temperature": -1}, "temperature"),
         ({**body, "temperature": "hot"}, "temperature"),
         ({**body, "model": "gpt-4"}, "model"),
-        ({**body, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({**body, "logit_bias": {"5": 1.0}}, "logit_bias"),
         ({**body, "max_tokens": 10_000}, "max_tokens"),
         ({**body, "messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
         ({"model": MODEL}, "messages"),

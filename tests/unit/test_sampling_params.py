@@ -36,7 +36,8 @@ def test_defaults_and_coercions():
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
     ({"sampling_seed": "x"}, "sampling_seed"),
     ({"n": 0}, "n"),
-    ({"frequency_penalty": 0.1}, "frequency_penalty"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty"),
+    ({"logit_bias": {}}, "logit_bias"),
 ])
 def test_invalid_values_name_the_field(params, field):
     with pytest.raises(ValueError, match=f"sampling_params.{field}"):

@@ -9,7 +9,9 @@ from typing import Any, AsyncIterator
 
 import orjson
 
+from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.streams import put_back, refusal
 from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from tandem.managers.io_struct import GenerateReqInput
 
@@ -59,10 +61,13 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
     if req.seed is not None:
         params["sampling_seed"] = req.seed
     for name in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "spaces_between_special_tokens", "no_stop_trim"):
+                 "spaces_between_special_tokens", "no_stop_trim", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
             params[name] = value
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
     return params
 
 
@@ -126,6 +131,31 @@ def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]
     Raises ValueError (a client error) before anything is sent.
     """
     return tm.generate_request(obj, incremental=True)
+
+
+async def admitted_streams(request, streams: list[AsyncIterator[dict[str, Any]]]
+                           ) -> list[AsyncIterator[dict[str, Any]]] | None:
+    """Before a streamed response's status line: wait for the first output of a single
+    stream, so that a request the scheduler refuses (busy under --max-queued-requests)
+    gets HTTP 503 rather than an aborted stream. Returns the streams to read (that output
+    put back), or None when the client left meanwhile; raises OpenAIError on a refusal.
+    Several streams (n > 1, prompt lists) start at once; a refused one ends with
+    finish_reason "abort"."""
+    if len(streams) != 1:
+        return streams
+    try:
+        first = await await_or_disconnect(request, anext(streams[0]))
+    except ClientDisconnected:
+        return None
+    raise_if_refused([first])
+    return [put_back(first, streams[0])]
+
+
+def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
+    """OpenAIError (503) when the scheduler refused any of these requests outright."""
+    refused = refusal(outputs)
+    if refused is not None:
+        raise OpenAIError(refused[0], refused[1], code="service_unavailable")
 
 
 def error_event(message: str, status: int = 500) -> bytes:

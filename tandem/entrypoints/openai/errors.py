@@ -25,6 +25,7 @@ _NATIVE_TO_OPENAI = {
     "sampling_seed": "seed",
     "top_logprobs_num": "top_logprobs",
     "return_logprob": "logprobs",
+    "min_new_tokens": "min_tokens",
 }
 # Pydantic location parts that name a union member or validator, not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|lax-or-strict|json-or-python)\b|[\[\]<>]")
@@ -52,7 +53,7 @@ class OpenAIError(Exception):
 
 def _default_type(status: int) -> str:
     return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            405: "MethodNotAllowedError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+            405: "MethodNotAllowedError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:

@@ -1,9 +1,10 @@
 """Pydantic v2 models of the OpenAI-compatible API: requests and responses.
 
-Request models accept OpenAI's fields plus SGLang's sampling extras (`top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`). Fields of
-features Tandem does not implement yet (penalties, `logit_bias`, tools, ...) are
-accepted only with their neutral value; `unsupported_fields()` names the others.
+Request models accept OpenAI's fields (penalties included) plus SGLang's sampling extras
+(`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`,
+`repetition_penalty`, `min_tokens`). Fields of features Tandem does not implement yet
+(`logit_bias`, tools, ...) are accepted only with their neutral value;
+`unsupported_fields()` names the others.
 Unknown fields are ignored, as most OpenAI-compatible servers do.
 """
 
@@ -44,10 +45,11 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    # Not supported yet: only the neutral value is accepted.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = None  # SGLang/vLLM extra
+    min_tokens: StrictInt | None = None  # vLLM/SGLang extra: SGLang's min_new_tokens
+    # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
 
@@ -57,12 +59,7 @@ class _SamplingFields(BaseModel):
                 if getattr(self, name) is not None and not neutral(getattr(self, name))]
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {
-            "frequency_penalty": lambda v: v == 0,
-            "presence_penalty": lambda v: v == 0,
-            "repetition_penalty": lambda v: v == 1,
-            "logit_bias": lambda v: not v,
-        }
+        return {"logit_bias": lambda v: not v}
 
 
 class ChatContentPart(BaseModel):

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.openai.common import (
-    SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
+    admitted_streams, raise_if_refused, SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
     open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
@@ -225,11 +225,15 @@ class CompletionServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             conv = CompletionStreamConverter(req_id, model, prompts, n, bool(req.echo), with_logprobs,
                                              include_usage, self.tm.tokenizer)
+            streams = await admitted_streams(request, streams)
+            if streams is None:
+                return Response(status_code=499)
             return StreamingResponse(_stream_body(conv, streams), media_type="text/event-stream")
         try:
             outputs = await await_or_disconnect(request, last_outputs(streams))
         except ClientDisconnected:
             return Response(status_code=499)
+        raise_if_refused(outputs)
         resp = build_completion_response(req_id, model, outputs, prompts, n, bool(req.echo), with_logprobs,
                                          self.tm.tokenizer)
         return json_response(resp.model_dump())
