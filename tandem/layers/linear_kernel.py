@@ -6,8 +6,9 @@ for its device, chosen once after the weights are loaded (`--linear-backend`).
   weight is reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`)
   and every call runs `mkldnn._linear_pointwise` on it, as vLLM's CPU backend does with
   its prepacked oneDNN matmuls. Decode multiplies a few rows by every weight each step,
-  so the weight layout decides the speed: measured on 2 EPYC cores, a 100M-parameter
-  Llama's matmuls run 1.9x faster at batch 1 and 2.3x at batch 16 (docs/benchmarks.md).
+  so the weight layout decides the speed: measured on 2 EPYC cores (`bench_one_batch`,
+  docs/benchmarks.md), a decode step of a 100M-parameter Llama takes 38-42 ms instead of
+  69-75 ms at batch 16, and 23-27 ms instead of 33-38 ms at batch 1.
   Elsewhere (CUDA, other dtypes, no oneDNN) `auto` is `torch`.
 
 Results equal `F.linear`'s to float rounding (the summation order differs).
