@@ -42,6 +42,7 @@ class ServerArgs:
     api_key: str | None = None
     chat_template: str | None = None
     linear_backend: str = "auto"
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -114,6 +115,9 @@ class ServerArgs:
             help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.")
         add("--chat-template", default=None,
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
+        add("--enable-mixed-chunk", action="store_true",
+            help="Decode the running requests in the same forward as each prefill batch (or chunk) "
+                 "instead of pausing them for it.")
         add("--linear-backend", default="auto", choices=["auto", "torch"],
             help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
                  "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")

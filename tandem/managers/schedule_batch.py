@@ -98,6 +98,21 @@ class ScheduleBatch:
     extend_lens: list[int] | None = None
     # KV slots of the new tokens, flattened.
     out_cache_loc: torch.Tensor | None = None
+    # Mixed batches (--enable-mixed-chunk): reqs[num_prefill:] are running requests that
+    # decode their next token inside this EXTEND forward (extend_len 1). None: all prefill.
+    num_prefill: int | None = None
+
+    def is_prefill(self, i: int) -> bool:
+        """Whether reqs[i] is prefilling (EXTEND, not a running request mixed in)."""
+        return self.forward_mode.is_extend() and (self.num_prefill is None or i < self.num_prefill)
+
+    def mix_in_decodes(self, running: list[Req], slots: torch.Tensor) -> None:
+        """Make this prefill batch also decode `running` (one token each, in `slots`)."""
+        assert self.forward_mode.is_extend() and self.num_prefill is None
+        self.num_prefill = len(self.reqs)
+        self.reqs = self.reqs + list(running)
+        self.extend_lens = self.extend_lens + [1] * len(running)
+        self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -133,8 +148,8 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
-            input_logprob_starts=[r.logprob_start_len if r.wants_input_logprobs() else -1 for r in self.reqs]
-            if extend else None,
+            input_logprob_starts=[r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() else -1
+                                  for i, r in enumerate(self.reqs)] if extend else None,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
         )
 

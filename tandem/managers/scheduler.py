@@ -191,10 +191,23 @@ class Scheduler:
         self.last_batch_was_chunk = False
         if prefill is not None:
             self.last_batch_was_chunk = self.chunked_req is not None
+            if self.server_args.enable_mixed_chunk and self.running:
+                self._mix_in_running(prefill)
             return prefill
         if not self.running:
             return None
         return self.prepare_decode_batch()
+
+    def _mix_in_running(self, batch: ScheduleBatch) -> None:
+        """Append the running requests to a prefill batch, one token each (SGLang's mixed
+        chunk): one forward reads the weights for both. When their slots do not fit, the
+        batch stays a plain prefill and the next decode step retracts as usual."""
+        slots = self.kv.alloc_decode(self.running)
+        if slots is None:
+            return
+        self.new_token_ratio.step()
+        batch.mix_in_decodes(self.running, slots)
+        self.last_batch_was_chunk = False  # the running requests have had their step
 
     def _future_need(self, req: Req) -> int:
         """KV `req` is expected to still take: its uncomputed sequence plus expected outputs."""
@@ -325,9 +338,10 @@ class Scheduler:
         extend = batch.forward_mode.is_extend()
         for i, (req, token_id) in enumerate(zip(batch.reqs, result.next_token_ids)):
             req.kv_len += batch.extend_lens[i] if extend else 1
-            if extend and result.input_logprobs and result.input_logprobs[i] is not None:
+            prefilling = batch.is_prefill(i)  # False for running requests mixed into a prefill
+            if prefilling and result.input_logprobs and result.input_logprobs[i] is not None:
                 self._record_input_logprobs(req, result.input_logprobs[i])
-            if extend and req.kv_len < req.seq_len:  # a chunk of a longer prompt
+            if prefilling and req.kv_len < req.seq_len:  # a chunk of a longer prompt
                 self.kv.cache_unfinished(req)
                 if req.to_abort is not None:
                     req.finished_reason = {"type": "abort", "message": req.to_abort}
@@ -336,7 +350,7 @@ class Scheduler:
                 continue
             if req is self.chunked_req:
                 self.chunked_req = None
-            if extend:
+            if prefilling:
                 self.kv.cache_unfinished(req)
             if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs)
                 req.finished_reason = {"type": "length", "length": 0}
@@ -352,7 +366,7 @@ class Scheduler:
                 req.finished_reason = self.finish_checker.check(req)
             if req.finished():
                 self.kv.release(req)
-            elif extend:
+            elif prefilling:
                 self.running.append(req)
         self.running = [r for r in self.running if not r.finished()]
         self.send_outputs(batch.reqs)

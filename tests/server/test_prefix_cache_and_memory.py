@@ -96,6 +96,8 @@ def test_concurrent_shared_prefixes_match_sequential(reference):
     ["--chunked-prefill-size", "7", "--schedule-policy", "lpm"],
     ["--chunked-prefill-size", "-1", "--schedule-policy", "lpm"],
     ["--disable-radix-cache", "--chunked-prefill-size", "5"],
+    ["--enable-mixed-chunk"],
+    ["--enable-mixed-chunk", "--chunked-prefill-size", "8"],
 ])
 def test_outputs_do_not_change_with_features(reference, tiny_llama_dir, flags):
     _, expected = reference
@@ -176,3 +178,38 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
                 else:
                     assert r.json()["usage"]["completion_tokens"] == 200
             assert_idle_invariant(server.base_url)
+
+
+def test_mixed_chunk_keeps_outputs_and_logprobs(reference, tiny_llama_dir):
+    """Prefills (chunked, with prompt logprobs) run while another request decodes, so
+    every prefill forward carries that request's decode step too."""
+    ref_server, expected = reference
+    body = {"return_logprob": True, "logprob_start_len": 0, "sampling_params": GREEDY}
+    with httpx.Client(base_url=ref_server.base_url, timeout=120) as client:
+        ref = [client.post("/generate", json={**body, "text": p}).json() for p in PROMPTS[:4]]
+    long_body = {"text": "keep decoding", "sampling_params": {**GREEDY, "max_new_tokens": 400, "ignore_eos": True}}
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--enable-mixed-chunk",
+                                                  "--chunked-prefill-size", "8"]) as server:
+        async def run() -> tuple[httpx.Response, list[httpx.Response]]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                long = asyncio.create_task(client.post("/generate", json=long_body))
+                while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
+                    await asyncio.sleep(0.02)
+                outs = []
+                for p in PROMPTS[:4]:  # one after another, each prefilled beside the long one
+                    outs.append(await client.post("/generate", json={**body, "text": p}))
+                return await long, outs
+
+        long, outs = asyncio.run(run())
+        assert long.status_code == 200 and len(long.json()["output_ids"]) == 400
+        for r, want, ids in zip(outs, ref, expected):
+            got = r.json()
+            assert got["output_ids"] == ids
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                pairs = list(zip(got["meta_info"][key], want["meta_info"][key]))
+                assert len(pairs) == len(want["meta_info"][key])
+                for (lp, tid, _), (ref_lp, ref_tid, _) in pairs:
+                    assert tid == ref_tid
+                    assert (lp is None and ref_lp is None) or abs(lp - ref_lp) < 1e-4
+        assert_idle_invariant(server.base_url)
+
