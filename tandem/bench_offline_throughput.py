@@ -34,6 +34,7 @@ from typing import Any
 
 from tandem.benchmarks.datasets import generate_random_requests, load_token_space
 from tandem.benchmarks.metrics import throughput
+from tandem.benchmarks.report import run_summary_rows
 from tandem.server_args import ServerArgs
 
 WARMUP_MAX_OUTPUT = 16
@@ -125,22 +126,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    def row(name: str, value: Any, fmt: str = "") -> str:
-        return f"{name:<40} {value:{fmt}}" if fmt else f"{name:<40} {value}"
-
-    return "\n".join([
-        "{s:{c}^50}".format(s=" Offline Throughput Benchmark Result ", c="="),
-        row("Successful requests:", r["completed"]),
-        row("Failed requests:", r["failed"]),
-        row("Benchmark duration (s):", r["duration"], ".2f"),
-        row("Total input tokens:", r["total_input_tokens"]),
-        row("Total generated tokens:", r["total_output_tokens"]),
-        row("Request throughput (req/s):", r["request_throughput"], ".2f"),
-        row("Input token throughput (tok/s):", r["input_throughput"], ".2f"),
-        row("Output token throughput (tok/s):", r["output_throughput"], ".2f"),
-        row("Total token throughput (tok/s):", r["total_throughput"], ".2f"),
-        "=" * 50,
-    ])
+    return "\n".join(["{s:{c}^50}".format(s=" Offline Throughput Benchmark Result ", c="="),
+                      *run_summary_rows(r, with_cached_tokens=False), "=" * 50])
 
 
 def main(argv: list[str] | None = None) -> int:

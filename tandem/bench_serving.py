@@ -93,6 +93,7 @@ from tandem.benchmarks.datasets import (
     load_token_space,
 )
 from tandem.benchmarks.metrics import RequestResult, compute_metrics, ttft_and_itl
+from tandem.benchmarks.report import report_row, run_summary_rows
 
 NATIVE_BACKENDS = ("tandem", "sglang")
 OPENAI_BACKENDS = ("vllm", "openai")
@@ -408,23 +409,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    def row(name: str, value: Any, fmt: str = "") -> str:
-        return f"{name:<40} {value:{fmt}}" if fmt else f"{name:<40} {value}"
-
+    row = report_row
     lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
              row("Backend:", r["backend"]),
              row("Traffic request rate:", r["request_rate"]),
              row("Max request concurrency:", r["max_concurrency"] or "not set"),
-             row("Successful requests:", r["completed"]),
-             row("Failed requests:", r["failed"]),
-             row("Benchmark duration (s):", r["duration"], ".2f"),
-             row("Total input tokens:", r["total_input_tokens"]),
-             row("Total generated tokens:", r["total_output_tokens"]),
-             row("Total cached prompt tokens:", r["total_cached_tokens"]),
-             row("Request throughput (req/s):", r["request_throughput"], ".2f"),
-             row("Input token throughput (tok/s):", r["input_throughput"], ".2f"),
-             row("Output token throughput (tok/s):", r["output_throughput"], ".2f"),
-             row("Total token throughput (tok/s):", r["total_throughput"], ".2f"),
+             *run_summary_rows(r, with_cached_tokens=True),
              row("Concurrency:", r["concurrency"], ".2f")]
     for title, key in (("End-to-End Latency", "e2e_latency"), ("Time to First Token", "ttft"),
                        ("Time per Output Token (excl. 1st token)", "tpot"), ("Inter-Token Latency", "itl")):

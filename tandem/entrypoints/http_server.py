@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.streams import last_outputs, merge_streams, refusal
+from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, merge_streams, refusal
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
@@ -145,21 +145,16 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             return error_response(str(e))
         multi = obj.is_batch or len(streams) > 1  # a batch, or n > 1 samples
         if obj.stream:
-            first: list[dict] = []
             if not multi:
-                # Wait for the first chunk before the status line, so that a request the
-                # scheduler refuses (busy: 503) gets a real status code.
                 try:
-                    first.append(await await_or_disconnect(request, anext(streams[0])))
-                except ClientDisconnected:
+                    admitted = await admitted_streams(request, streams)
+                except Refused as e:
+                    return error_response(e.message, e.status)
+                if admitted is None:
                     return Response(status_code=499)
-                rejected = refusal(first)
-                if rejected is not None:
-                    return error_response(*rejected)
+                streams = admitted
 
             async def body_iter() -> AsyncIterator[bytes]:
-                for chunk in first:
-                    yield sse(chunk)
                 async for index, chunk in merge_streams(streams):
                     yield sse({**chunk, "index": index} if multi else chunk)
                 yield b"data: [DONE]\n\n"

@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Iterable
 
+from starlette.requests import Request
+
+from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+
 
 async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
     """Interleave the streams' chunks as (stream index, chunk), in arrival order.
@@ -76,4 +80,31 @@ async def put_back(first: dict[str, Any], stream: AsyncIterator[dict]) -> AsyncI
             yield chunk
     finally:
         await stream.aclose()
+
+
+class Refused(Exception):
+    """The scheduler refused the request outright (e.g. busy: status 503)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+async def admitted_streams(request: Request, streams: list[AsyncIterator[dict[str, Any]]]
+                           ) -> list[AsyncIterator[dict[str, Any]]] | None:
+    """Before a streamed response's status line: wait for the first output of a single
+    stream, so that a request the scheduler refuses (busy under --max-queued-requests)
+    gets a real status code rather than an aborted stream. Returns the streams to read
+    (that output put back), or None when the client left meanwhile; raises `Refused`.
+    Several streams start at once; a refused one ends with finish_reason abort."""
+    if len(streams) != 1:
+        return streams
+    try:
+        first = await await_or_disconnect(request, anext(streams[0]))
+    except ClientDisconnected:
+        return None
+    refused = refusal([first])
+    if refused is not None:
+        raise Refused(*refused)
+    return [put_back(first, streams[0])]
 

@@ -19,7 +19,7 @@ import torch
 from tandem.layers.sampler import SamplingBatchInfo
 from tandem.managers.io_struct import DetokenizeParams
 from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
-from tandem.sampling.penalties import PenaltyBatch, PenaltyInput
+from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -154,9 +154,11 @@ class ScheduleBatch:
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:
-        penalties = PenaltyBatch.build(
-            [PenaltyInput(r.sampling_params, r.origin_input_ids, r.output_ids, r.min_tokens_banned)
-             for r in self.reqs], device)
+        penalties = None
+        if any(needs_penalties(r.sampling_params) for r in self.reqs):  # hot loop: usually none
+            penalties = PenaltyBatch.build(
+                [PenaltyInput(r.sampling_params, r.origin_input_ids, r.output_ids, r.min_tokens_banned)
+                 for r in self.reqs], device)
         return SamplingBatchInfo.from_params(
             [r.sampling_params for r in self.reqs], [len(r.output_ids) for r in self.reqs], vocab_size, device,
             penalties)

@@ -9,9 +9,9 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.openai.errors import OpenAIError
-from tandem.entrypoints.streams import put_back, refusal
+from tandem.entrypoints.streams import Refused, refusal
+from tandem.entrypoints.streams import admitted_streams as _admitted_streams
 from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from tandem.managers.io_struct import GenerateReqInput
 
@@ -135,20 +135,11 @@ def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]
 
 async def admitted_streams(request, streams: list[AsyncIterator[dict[str, Any]]]
                            ) -> list[AsyncIterator[dict[str, Any]]] | None:
-    """Before a streamed response's status line: wait for the first output of a single
-    stream, so that a request the scheduler refuses (busy under --max-queued-requests)
-    gets HTTP 503 rather than an aborted stream. Returns the streams to read (that output
-    put back), or None when the client left meanwhile; raises OpenAIError on a refusal.
-    Several streams (n > 1, prompt lists) start at once; a refused one ends with
-    finish_reason "abort"."""
-    if len(streams) != 1:
-        return streams
+    """`tandem.entrypoints.streams.admitted_streams`, a refusal raised as OpenAIError (503)."""
     try:
-        first = await await_or_disconnect(request, anext(streams[0]))
-    except ClientDisconnected:
-        return None
-    raise_if_refused([first])
-    return [put_back(first, streams[0])]
+        return await _admitted_streams(request, streams)
+    except Refused as e:
+        raise OpenAIError(e.message, e.status, code="service_unavailable") from e
 
 
 def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
