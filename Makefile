@@ -1,15 +1,18 @@
-# Tandem: `make serve` serves the demo model, `make test` runs the whole suite.
-# Both install everything into .venv first (torch==2.13.0 before anything that needs torch).
+# Tandem: `make serve` serves llama2.c's stories260K (shipped in assets/, converted into
+# models/stories260K on first use), `make test` runs the whole suite. Both install
+# everything into .venv first (torch==2.13.0 before anything that needs torch).
+# `make serve MODEL=models/demo-llama` serves the random-weight demo model instead.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= models/demo-llama
+MODEL ?= models/stories260K
+STORIES := assets/stories260K
 PORT ?= 30000
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: install serve test demo-model clean
+.PHONY: install serve test demo-model stories-model clean
 
 install: $(VENV)/.installed
 
@@ -26,7 +29,14 @@ models/demo-llama/config.json: | install
 
 demo-model: models/demo-llama/config.json
 
-serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model)
+models/stories260K/config.json: $(STORIES)/stories260K.bin $(STORIES)/tok512.bin | install
+	$(PY) -m tandem.tools.convert_llama2c --checkpoint $(STORIES)/stories260K.bin \
+		--tokenizer $(STORIES)/tok512.bin --out models/stories260K
+
+stories-model: models/stories260K/config.json
+
+serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
+		$(if $(filter models/stories260K,$(MODEL)),stories-model)
 	$(PY) -m tandem.launch_server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install

@@ -11,8 +11,12 @@ from tandem.server_args import ServerArgs
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tandem.launch_server", description=__doc__)
     ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    launch_server(ServerArgs.from_cli_args(args))
+    server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        server_args.validate()
+    except ValueError as e:  # one line naming the flag, like argparse's own errors
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    launch_server(server_args)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import tempfile
+import logging
+import random
 from dataclasses import dataclass, field
+
+import psutil
+
+from tandem.sglang_flags import add_compat_args, check_compat_flags
+from tandem.utils.ipc_dirs import make_ipc_dir
+
+logger = logging.getLogger(__name__)
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 @dataclass
@@ -27,7 +36,7 @@ class ServerArgs:
     max_running_requests: int | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
-    random_seed: int = 0
+    random_seed: int | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     skip_server_warmup: bool = False
@@ -36,13 +45,57 @@ class ServerArgs:
     stream_interval: int = 1
     skip_tokenizer_init: bool = False
     disable_radix_cache: bool = False
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
     max_queued_requests: int | None = None
     api_key: str | None = None
+    max_request_body_bytes: int = 32 * 1024 * 1024
     chat_template: str | None = None
     linear_backend: str = "auto"
     enable_mixed_chunk: bool = False
+    watchdog_timeout: float = 300.0
+    log_level_http: str | None = None
+    # SGLang's flags kept for compatibility (tandem/sglang_flags.py says what each does).
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    tokenizer_worker_num: int = 1
+    load_format: str = "auto"
+    page_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    attention_backend: str | None = None
+    quantization: str | None = None
+    lora_paths: list[str] | None = None
+    enable_lora: bool = False
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    enable_dp_attention: bool = False
+    is_embedding: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_mode: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int | None = None
+    disable_custom_all_reduce: bool = False
+    enable_p2p_check: bool = False
+    disable_overlap_schedule: bool = False
+    base_gpu_id: int = 0
+    grammar_backend: str | None = None
+    sampling_backend: str | None = None
+    log_requests: bool = False
+    enable_metrics: bool = False
+    show_time_cost: bool = False
+    decode_log_interval: int = 40
+    enable_cache_report: bool = False
+    allow_auto_truncate: bool = False
+    graceful_shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -51,9 +104,19 @@ class ServerArgs:
             self.served_model_name = self.model_path
         if self.device is None:
             self.device = _default_device()
+        # SGLang's defaults: a fresh seed per start, and a chunk size from the device memory.
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, 1 << 30)
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = default_chunked_prefill_size(self.device)
 
     def validate(self) -> None:
-        """Raise ValueError for values that can never work, naming the flag."""
+        """Raise ValueError for values that can never work, naming the flag; log each
+        accepted SGLang flag that has no effect in this build."""
+        for note in check_compat_flags(self):
+            logger.info(note)
+        if self.log_level_http is not None and self.log_level_http not in LOG_LEVELS:
+            raise ValueError(f"--log-level-http: unknown level {self.log_level_http!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: unsupported value {self.dtype!r}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -68,10 +131,15 @@ class ServerArgs:
             raise ValueError(f"--linear-backend: unknown backend {self.linear_backend!r}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
-        for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests"):
+        for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests",
+                     "max_request_body_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive")
+        if self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout: must be positive")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout: must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port: must be in 1..65535")
 
@@ -93,17 +161,22 @@ class ServerArgs:
             help="KV cache capacity in tokens (default: from --mem-fraction-static).")
         add("--mem-fraction-static", type=float, default=None,
             help="Fraction of device memory for weights + KV cache (GPU) or of free RAM for the KV cache (CPU).")
-        add("--random-seed", type=int, default=0, help="Seed of the sampler's generator.")
+        add("--random-seed", type=int, default=None,
+            help="Seed of the sampler's generator and of --load-format dummy weights (default: random, as SGLang).")
         add("--served-model-name", default=None, help="Model name reported by the API (default: the model path).")
-        add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="Logging level.")
+        add("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+        add("--log-level-http", default=None, choices=LOG_LEVELS,
+            help="Logging level of the HTTP server (default: --log-level).")
         add("--skip-server-warmup", action="store_true", help="Do not run a warm-up request before serving.")
         add("--incremental-streaming-output", action="store_true",
             help="Stream only the new text in each /generate chunk instead of the text so far.")
         add("--max-prefill-tokens", type=int, default=16384, help="Most prompt tokens in one prefill batch.")
         add("--disable-radix-cache", action="store_true",
             help="Reuse no cached prefixes (a cache with the same interface that keeps nothing).")
-        add("--chunked-prefill-size", type=int, default=2048,
-            help="Prefill prompts longer than this in chunks interleaved with decode steps; -1 disables.")
+        add("--chunked-prefill-size", type=int, default=None,
+            help="Prefill prompts longer than this in chunks interleaved with decode steps; -1 disables "
+                 "(default: from the device memory, as SGLang: 2048 under 20 GiB, 4096 under 60, 8192 "
+                 "under 160, else 16384).")
         add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
             help="Order of waiting requests: first come first served, or longest cached prefix first.")
         add("--max-queued-requests", type=int, default=None,
@@ -113,14 +186,23 @@ class ServerArgs:
         add("--stream-interval", type=int, default=1, help="Send a streaming chunk every N decode steps.")
         add("--api-key", default=None,
             help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.")
+        add("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
+            help="Answer 413 to a request whose body is larger than this (default 32 MiB).")
         add("--chat-template", default=None,
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
         add("--enable-mixed-chunk", action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "
                  "instead of pausing them for it.")
+        add("--watchdog-timeout", type=float, default=300.0,
+            help="If a forward step takes longer than this many seconds, dump the stacks and the batch "
+                 "to the log and bring the server down (a hung server is worse than none).")
+        add("--graceful-shutdown-timeout", type=float, default=30.0,
+            help="On SIGTERM or SIGINT, seconds the running requests get to finish (new ones get 503) "
+                 "before they are aborted and the server exits; 0 aborts them at once.")
         add("--linear-backend", default="auto", choices=["auto", "torch"],
             help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
                  "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")
+        add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -129,6 +211,27 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def default_chunked_prefill_size(device: str) -> int:
+    """SGLang's default chunk size for the device's memory (GPU memory, or RAM on CPU)."""
+    mib = _device_memory_mib(device)
+    if mib is None:
+        return 4096
+    for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)):
+        if mib < limit_gib * 1024:
+            return size
+    return 16384
+
+
+def _device_memory_mib(device: str) -> float | None:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 2**20
+    if device == "cpu":
+        return psutil.virtual_memory().total / 2**20
+    return None
 
 
 def _default_device() -> str:
@@ -162,6 +265,4 @@ class PortArgs:
     @classmethod
     def create(cls) -> "PortArgs":
         """Make a fresh private directory (mode 0700) for this server's sockets."""
-        ipc_dir = tempfile.mkdtemp(prefix="tandem-ipc-")
-        os.chmod(ipc_dir, 0o700)
-        return cls(ipc_dir=ipc_dir)
+        return cls(ipc_dir=make_ipc_dir())

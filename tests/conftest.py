@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny models built once per session, the converted stories260K model,
-and the Hugging Face reference used to check outputs."""
+"""Shared fixtures: tiny models built once per session, the stories260K model shipped in
+assets/ (converted once per session), and the Hugging Face reference used to check outputs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,5 @@ def stories_dir(tmp_path_factory) -> Path:
     from tandem.tools.convert_llama2c import convert_llama2c
     from tandem.tools.paths import stories260k_dir
 
-    src = stories260k_dir()
-    if src is None:
-        pytest.skip("stories260K not found (expected in ../shared/models/stories260K or $TANDEM_STORIES_DIR)")
+    src = stories260k_dir()  # the copy shipped in assets/stories260K
     return convert_llama2c(src / "stories260K.bin", src / "tok512.bin", tmp_path_factory.mktemp("models") / "stories260K")

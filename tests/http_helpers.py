@@ -6,6 +6,9 @@ import time
 
 import httpx
 
+# The start of the 400 message for a rid that a running request already uses (SGLang's words).
+DUPLICATE_RID = "Duplicate request ID detected: "
+
 
 def generate(client: httpx.Client, **body) -> dict:
     """POST /generate and return the JSON body, asserting a 200."""

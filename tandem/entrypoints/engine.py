@@ -128,11 +128,11 @@ class Engine:
         return obj
 
     async def _collect(self, obj: GenerateReqInput) -> Output:
-        outputs = await last_outputs(self.tokenizer_manager.generate_request(obj))
+        outputs = await last_outputs(await self.tokenizer_manager.generate_request(obj))
         return outputs if obj.is_batch or len(outputs) > 1 else outputs[0]
 
     async def _open_merged(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        streams = self.tokenizer_manager.generate_request(obj)
+        streams = await self.tokenizer_manager.generate_request(obj)
         multi = len(streams) > 1 or obj.is_batch
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:

@@ -1,16 +1,15 @@
 """The HTTP server: a FastAPI app over the TokenizerManager, served by uvicorn.
 
 Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
-GET /model_info, GET /server_info, POST /abort_request, POST /flush_cache, and the OpenAI-compatible
-routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
+POST /abort_request, SGLang's information and control routes (entrypoints/sglang_routes:
+/model_info, /server_info, /flush_cache, /ping, /v1/loads, /start_profile, /stop_profile)
+and the OpenAI-compatible routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
 {"error": {"message": ...}} naming the field; the server keeps serving.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -21,23 +20,23 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.entrypoints.json_body import JSONBodyRoute, parse_json_body
+from tandem.entrypoints.limits import BodySizeLimit
+from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
+from tandem.entrypoints.sglang_routes import add_sglang_routes
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+from tandem.entrypoints.health import GenerationProbe
+from tandem.entrypoints.shutdown import DRAINING_MESSAGE, DrainGate, DrainingServer
 from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, merge_streams, refusal
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
 from tandem.server_args import ServerArgs
-from tandem.utils.process import configure_logging, kill_process_tree
+from tandem.utils.process import configure_logging, kill_process_tree, set_process_name
 
 logger = logging.getLogger(__name__)
 
-# How long /health_generate waits for its one-token generation before answering 503;
-# TANDEM_HEALTH_CHECK_TIMEOUT overrides it (as SGLANG_HEALTH_CHECK_TIMEOUT does in SGLang).
-HEALTH_GENERATE_TIMEOUT_S = 20.0
-# On SIGTERM/SIGINT uvicorn stops accepting connections and lets running requests finish,
-# for at most this long; then every process of the server ends.
-GRACEFUL_SHUTDOWN_S = 30
 
 
 def error_response(message: str, status: int = 400) -> Response:
@@ -49,12 +48,16 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
+def error_for_path(path: str, message: str, status: int) -> Response:
+    """An error in the shape of the API that `path` belongs to (OpenAI's under /v1)."""
+    if path.startswith("/v1/"):
+        return OpenAIError(message, status).response()
+    return error_response(message, status)
+
+
 async def read_json_object(request: Request) -> dict:
     """The request body as a JSON object; ValueError with a client-facing message."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise ValueError(f"request body: invalid JSON ({e})") from e
+    body = parse_json_body(await request.body())
     if not isinstance(body, dict):
         raise ValueError("request body: must be a JSON object")
     return body
@@ -64,9 +67,11 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
+               procs: ServerProcesses | None = None) -> FastAPI:
+    """The app; with `procs`, GET /health also checks the subprocesses."""
     tm = tokenizer_manager
-    health_timeout = float(os.environ.get("TANDEM_HEALTH_CHECK_TIMEOUT", HEALTH_GENERATE_TIMEOUT_S))
+    probe = GenerationProbe(tm)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,50 +81,24 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         yield
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # JSON bodies parsed by orjson (json_body.py)
 
     @app.get("/health")
     async def health() -> Response:
+        """200, or 503 with the reason: a subprocess has exited, a forward step is stuck past
+        --watchdog-timeout (draining answers 503 before any route: DrainGate)."""
+        problem = procs.health_problem(server_args.watchdog_timeout) if procs is not None else None
+        if problem is not None:
+            return error_response(problem, 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        try:
-            [stream] = tm.generate_request(obj)
-            async with asyncio.timeout(health_timeout):
-                async for _ in stream:
-                    pass
-        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
-            return error_response(f"engine did not answer: {type(e).__name__}: {e}", 503)
+        """200 if the engine generates (recent progress, or a shared one-token probe), else 503."""
+        problem = await probe.check()
+        if problem is not None:
+            return error_response(problem, 503)
         return Response(status_code=200)
-
-    @app.get("/model_info")
-    async def model_info() -> dict:
-        return {
-            "model_path": server_args.model_path,
-            "tokenizer_path": server_args.tokenizer_path,
-            "served_model_name": server_args.served_model_name,
-            "is_generation": True,
-        }
-
-    @app.get("/server_info")
-    async def server_info() -> Response:
-        """Resolved arguments, capacities, and the scheduler's live memory counts."""
-        try:
-            return json_response(await tm.server_info())
-        except asyncio.TimeoutError:
-            return error_response("the scheduler did not answer", 503)
-
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        """Empty the prefix cache; 400 with the reason while requests run or wait."""
-        try:
-            result = await tm.flush_cache()
-        except asyncio.TimeoutError:
-            return error_response("the scheduler did not answer", 503)
-        if not result.success:
-            return error_response(f"cache not flushed: {result.message}", 400)
-        return json_response({"success": True})
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
@@ -140,7 +119,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
     async def generate(request: Request) -> Response:
         try:
             obj = GenerateReqInput.from_json(await read_json_object(request))
-            streams = tm.generate_request(obj)
+            streams = await tm.generate_request(obj)
         except (ValueError, TypeError) as e:
             return error_response(str(e))
         multi = obj.is_batch or len(streams) > 1  # a batch, or n > 1 samples
@@ -169,8 +148,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             return error_response(*rejected)
         return json_response(results if multi else results[0])
 
+    add_sglang_routes(app, tm, server_args)
     add_openai_routes(app, tm, server_args)
+    app.add_middleware(BodySizeLimit, max_bytes=server_args.max_request_body_bytes, error=error_for_path)
     add_api_key_middleware(app, server_args.api_key)
+    app.add_middleware(DrainGate, tm=tm, refusal=lambda: error_response(DRAINING_MESSAGE, 503))
     return app
 
 
@@ -180,14 +162,16 @@ async def _warmup(tm: TokenizerManager) -> None:
         obj = GenerateReqInput(text="Hello", sampling_params=params)
     else:
         obj = GenerateReqInput(input_ids=[0, 1], sampling_params=params)
-    [stream] = tm.generate_request(obj)
-    await last_outputs([stream])
+    await last_outputs(await tm.generate_request(obj))
 
 
 def launch_server(server_args: ServerArgs) -> None:
-    """Start the subprocesses, then serve HTTP until SIGINT/SIGTERM; end every child on exit."""
+    """Start the subprocesses, serve HTTP until SIGTERM or SIGINT, drain (entrypoints/
+    shutdown.py), end every child, remove the ipc directory and return (exit code 0).
+    A child that crashes or dies takes the server down with exit code 1."""
     configure_logging(server_args.log_level, "main")
     server_args.validate()
+    set_process_name("tandem::server")  # the command line stays as it was, for scripts
     procs: ServerProcesses = launch_subprocesses(server_args)
 
     def on_child_death(name: str) -> None:
@@ -204,12 +188,11 @@ def launch_server(server_args: ServerArgs) -> None:
     procs.watch(on_child_death)
     try:
         tm = TokenizerManager(server_args, procs.port_args, procs.scheduler_info)
-        app = create_app(tm, server_args)
+        app = create_app(tm, server_args, procs)
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level,
-                                timeout_keep_alive=5, access_log=False,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        uvicorn.Server(config).run()
+                                log_level=server_args.log_level_http or server_args.log_level,
+                                timeout_keep_alive=5, access_log=False)
+        DrainingServer(config, tm, server_args.graceful_shutdown_timeout).run()
     finally:
         procs.shutdown()
         kill_process_tree(os.getpid(), include_parent=False)

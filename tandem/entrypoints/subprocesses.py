@@ -3,7 +3,9 @@
 Shared by the HTTP server and the offline Engine: both own a `ServerProcesses` and
 call `shutdown()` to end every child. A child that dies unexpectedly is noticed by a
 watchdog thread, which calls `on_child_death` (the HTTP server exits; no orphan and no
-server answering 200 without an engine behind it).
+server answering 200 without an engine behind it). Children ignore SIGINT and SIGTERM
+(a terminal or service manager signals the whole group; the main process drains first),
+so `shutdown()` ends them with SIGKILL: they hold nothing that needs flushing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,10 +22,12 @@ from typing import Any, Callable
 import zmq
 
 from tandem.managers.detokenizer_manager import run_detokenizer_process
+from tandem.managers.forward_watchdog import forward_stuck_for, new_forward_stamp
 from tandem.managers.io_struct import ReadyMessage
 from tandem.managers.scheduler import run_scheduler_process
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
+from tandem.utils.ipc_dirs import remove_stale_ipc_dirs
 from tandem.utils.process import kill_process_tree
 
 logger = logging.getLogger(__name__)
@@ -35,19 +40,32 @@ class ServerProcesses:
     port_args: PortArgs
     procs: list[mp.Process]
     scheduler_info: dict[str, Any]
+    # When the scheduler's current forward step started (time.monotonic()), 0.0 between steps.
+    forward_stamp: Any = None
     _stopping: threading.Event = field(default_factory=threading.Event)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
+    def health_problem(self, watchdog_timeout: float) -> str | None:
+        """Why the engine cannot serve (a child has exited, a forward step is stuck past
+        --watchdog-timeout), or None."""
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            return f"the {dead[0]} process has exited"
+        stuck = forward_stuck_for(self.forward_stamp) if self.forward_stamp is not None else 0.0
+        if stuck > watchdog_timeout:
+            return f"a forward step has run for {stuck:.0f} s (--watchdog-timeout {watchdog_timeout:g})"
+        return None
+
     def shutdown(self) -> None:
-        """End every subprocess (SIGTERM, then SIGKILL) and remove the ipc directory."""
+        """End every subprocess and its descendants (SIGKILL) and remove the ipc directory."""
         if self._stopping.is_set():
             return
         self._stopping.set()
         for p in self.procs:
             if p.pid is not None:
-                kill_process_tree(p.pid)
+                kill_process_tree(p.pid, sig=signal.SIGKILL)
         for p in self.procs:
             p.join(timeout=5)
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
@@ -68,16 +86,20 @@ class ServerProcesses:
 def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     """Spawn the scheduler and the detokenizer, wait until both report ready.
 
-    Raises RuntimeError (after cleaning up) when one fails to start.
+    Raises RuntimeError (after cleaning up) when one fails to start. First removes the
+    ipc directories of servers that were killed before they could remove their own.
     """
+    remove_stale_ipc_dirs()
     port_args = PortArgs.create()
     ctx = zmq.Context.instance()
     ready_sock = zmq_io.make_socket(ctx, zmq.PULL, port_args.ready, bind=True)
     mp_ctx = mp.get_context("spawn")
-    procs = [mp_ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0), name="scheduler")]
+    forward_stamp = new_forward_stamp(mp_ctx)
+    procs = [mp_ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0, forward_stamp),
+                            name="scheduler")]
     if not server_args.skip_tokenizer_init:  # without a tokenizer, no detokenization runs
         procs.append(mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"))
-    handle = ServerProcesses(port_args=port_args, procs=procs, scheduler_info={})
+    handle = ServerProcesses(port_args=port_args, procs=procs, scheduler_info={}, forward_stamp=forward_stamp)
     try:
         for p in procs:
             p.start()

@@ -1,23 +1,32 @@
 """The detokenizer process: token ids in, text deltas out, one message per scheduler step.
 
-Keeps one `IncrementalDetokenizer` per running rid, created from the `DetokenizeParams`
-that the scheduler sends with a request's first output and dropped when it finishes.
+Keeps one `IncrementalDetokenizer` per running request (by internal id), created from the
+`DetokenizeParams` that the scheduler sends with a request's first output and dropped
+when it finishes. An output for an id it does not know that carries no params (a late
+output of a request that ended here) passes through with no text.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import traceback
 
 import zmq
 
 from tandem.managers.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
-from tandem.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReadyMessage
+from tandem.managers.io_struct import (
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizeParams,
+    ReadyMessage,
+    error_finish_reason,
+)
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
-from tandem.utils.process import configure_logging, notify_parent_of_failure, set_parent_death_signal
+from tandem.utils.process import (
+    configure_logging, ignore_stop_signals, notify_parent_of_failure, set_parent_death_signal, set_process_title,
+)
 from tandem.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,26 +50,41 @@ class DetokenizerManager:
                 logger.error("detokenizer got an unknown message %r", type(msg))
 
     def handle_batch_token_id_out(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
+        """Text deltas for every request of one scheduler step. A request whose step raises
+        ends alone with an error finish (DESIGN.md §9); the others are unaffected."""
         out = BatchStrOutput(rids=msg.rids, new_token_ids=msg.new_token_ids,
-                             finished_reasons=msg.finished_reasons, **msg.meta())
+                             finished_reasons=list(msg.finished_reasons), **msg.meta())
         for i, rid in enumerate(msg.rids):
-            state = self.states.get(rid)
-            if state is None:
-                params = msg.detokenize_params[i]
-                assert params is not None, f"first output of {rid} came without DetokenizeParams"
-                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, params, self.byte_token_ids)
             finished = msg.finished_reasons[i]
-            out.text_deltas.append(state.step(msg.new_token_ids[i], finished))
-            if finished is not None:
-                del self.states[rid]
+            try:
+                text = self._step(rid, msg.new_token_ids[i], finished, msg.detokenize_params[i])
+            except Exception as e:  # noqa: BLE001 - the second wall
+                logger.error("request %s failed while detokenizing:\n%s", rid, traceback.format_exc())
+                self.states.pop(rid, None)
+                text = ""
+                if finished is None or finished["type"] != "abort":  # an abort already says why
+                    out.finished_reasons[i] = error_finish_reason("detokenizing its output", e)
+            out.text_deltas.append(text)
         return out
+
+    def _step(self, rid: str, new_ids: list[int], finished: dict | None, params: DetokenizeParams | None) -> str:
+        state = self.states.get(rid)
+        if state is None:
+            if params is None:  # a late output of a request that ended here: the tokenizer manager drops it
+                return ""
+            state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, params, self.byte_token_ids)
+        text = state.step(new_ids, finished)
+        if finished is not None:
+            del self.states[rid]
+        return text
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
-    """Entry of the detokenizer subprocess."""
+    """Entry of the detokenizer subprocess; it runs until the parent ends it (SIGKILL)."""
     set_parent_death_signal()
+    set_process_title("tandem::detokenizer")
     configure_logging(server_args.log_level, "detokenizer")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
     try:
         manager = DetokenizerManager(server_args, port_args)

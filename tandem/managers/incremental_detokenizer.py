@@ -6,7 +6,10 @@ scheduler step produced; `step()` returns the text that became final (a delta).
 
 Offsets (the SGLang / vLLM technique)
 -------------------------------------
-All output ids of the request are kept in `ids`. Two offsets index into them:
+`ids` holds the last few prompt ids (`params.prompt_tail`, as SGLang seeds its decoder
+with INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5 prompt ids) followed by every output id
+of the request. Two offsets index into them; both start at the end of the prompt tail,
+which is confirmed context from the start (`surr = 0`, `read = len(prompt_tail)`):
 
     ids:   [ ... already final ... | surr ........ read | new, not yet confirmed ]
                                    ^surr_offset        ^read_offset
@@ -20,7 +23,10 @@ Decoding a fragment on its own is wrong for SentencePiece-style tokenizers: thei
 decoders drop the leading space of the first piece (`"▁world"` alone decodes to
 `"world"`). Because both decodes start at the same `surr`, that dropped space is dropped
 from both and cancels in the difference, while the space of the first *new* piece (which
-is not first in `ids[surr:]`) is kept. Each decode covers only the ids since the
+is not first in `ids[surr:]`) is kept. The prompt tail makes this hold for the first
+output piece too: "Tom had a" + " big" rather than "big", so that
+decode(prompt) + output text == decode(prompt + output) (a prompt ending inside a UTF-8
+character, possible only with `input_ids`, is the exception). Each decode covers only the ids since the
 previous confirmed step plus the pending ones, so the cost per step is bounded by the
 length of that window, not by the length of the output.
 
@@ -90,7 +96,8 @@ tokenizers. A tokenizer whose decode does honour the flag gets it.
 Invariant (tested with hypothesis): for any id sequence whose full decode is valid
 UTF-8 (no U+FFFD), "".join(deltas) == tokenizer.decode(all_ids, skip_special_tokens=..)
 up to stop trimming, no delta contains U+FFFD, and every prefix of the deltas is a
-prefix of the final text.
+prefix of the final text; with a prompt tail, decode(tail) + "".join(deltas) ==
+decode(tail + all_ids).
 """
 
 from __future__ import annotations
@@ -114,6 +121,21 @@ def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(i for tok, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.match(tok))
 
 
+def _drop_leading_continuation_bytes(tokenizer: Any, ids: list[int], byte_token_ids: frozenset[int]) -> list[int]:
+    """`ids` without the byte-fallback tokens of UTF-8 continuation bytes it starts with.
+
+    A byte-fallback decoder turns a whole run of byte tokens into U+FFFDs when any of it is
+    invalid, so a prompt tail cut inside a character would also garble an output character
+    that continues the run. Starting at the character's first byte (or after it) avoids that.
+    """
+    start = 0
+    while start < len(ids) and ids[start] in byte_token_ids:
+        if not 0x80 <= int(tokenizer.convert_ids_to_tokens(ids[start])[3:5], 16) <= 0xBF:
+            break
+        start += 1
+    return list(ids[start:])
+
+
 class IncrementalDetokenizer:
     """State of one request's detokenization."""
 
@@ -121,16 +143,17 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self.byte_token_ids = byte_token_ids
-        self.ids: list[int] = []
+        # The prompt's tail is left context only: confirmed, never emitted.
+        self.ids: list[int] = _drop_leading_continuation_bytes(tokenizer, params.prompt_tail, byte_token_ids)
         self.surr_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
         self.finished = False
         # Stop strings that need holdback (empty strings never match anything useful).
         self._stops: list[str] = (
             [s for s in (params.stop or []) if s] if not params.no_stop_trim else []
         )
-        self._surr_text = ""  # decode(ids[surr:read]), cached
-        self._confirmed_text = ""  # text of ids[:read], built from confirmed deltas
+        self._surr_text = self._decode(self.ids)  # decode(ids[surr:read]), cached
+        self._confirmed_text = ""  # output text of ids[:read], built from confirmed deltas
         self._output_text = ""  # everything returned so far
 
     # ------------------------------------------------------------------ public

@@ -2,30 +2,37 @@
 
 Direction of each message:
   TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, GetServerStateReq,
-                                        FlushCacheReq
-  Scheduler -> TokenizerManager:        ServerStateOutput, FlushCacheOutput; BatchTokenIDOutput under
+                                        FlushCacheReq, ProfileReq
+  Scheduler -> TokenizerManager:        ServerStateOutput, FlushCacheOutput, ProfileReqOutput;
+                                        BatchTokenIDOutput under
                                         --skip-tokenizer-init (no detokenizer runs)
   Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
   DetokenizerManager -> TokenizerManager: BatchStrOutput (one per BatchTokenIDOutput)
   Subprocess -> parent at start-up:     ReadyMessage
 Outputs are batched: one message per step carries every request that produced tokens
 or finished in that step. Serialization is in `tandem.utils.zmq_io`.
+
+Identity: every `rid` in these messages is the request's internal id, issued by the
+TokenizerManager and never reused (one per sample of an n > 1 request). The client's
+`rid` is only a label that the TokenizerManager keeps and echoes in meta_info["id"], so
+a late output or abort of a finished request can never reach a newer one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from tandem.sampling.sampling_params import SamplingParams
+from tandem.sampling.sampling_params import SamplingParams, is_neutral
 
 
 @dataclass
 class TokenizedGenerateReqInput:
     """One request, tokenized and validated, on its way to the scheduler."""
 
-    rid: str
+    rid: str  # the internal id (see the module docstring)
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
@@ -37,7 +44,8 @@ class TokenizedGenerateReqInput:
 
 @dataclass
 class AbortReq:
-    """Ask the scheduler to stop a request (queued or running); `abort_all` stops all."""
+    """Ask the scheduler to stop a request (queued or running) by its internal id; an
+    unknown id (a request that has ended) is ignored. `abort_all` stops all."""
 
     rid: str | None = None
     abort_all: bool = False
@@ -53,6 +61,32 @@ class FlushCacheReq:
 
 @dataclass
 class FlushCacheOutput:
+    request_id: str
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class ProfileReq:
+    """Start or stop the torch profiler in the scheduler (SGLang's /start_profile, /stop_profile).
+
+    On stop (or after `num_steps` forward steps) the trace is written to
+    `{output_dir}/{profile_prefix-}{profile_id}-TP-0.trace.json.gz`.
+    """
+
+    request_id: str
+    action: str  # "start" or "stop"
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+    profile_prefix: str | None = None
+
+
+@dataclass
+class ProfileReqOutput:
     request_id: str
     success: bool
     message: str = ""
@@ -85,13 +119,19 @@ class ServerStateOutput:
 
 @dataclass
 class DetokenizeParams:
-    """What the detokenizer needs to know about one request; sent with its first output."""
+    """What the detokenizer needs to know about one request; sent with its first output.
+
+    `prompt_tail` holds the last few prompt ids: the detokenizer decodes the output with
+    them as left context, so that prompt text + output text is the text of prompt +
+    output ids (a SentencePiece decoder drops the space of a fragment's first piece).
+    """
 
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     stop: list[str]
     no_stop_trim: bool
     stream: bool
+    prompt_tail: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -122,7 +162,8 @@ class BatchTokenIDOutput(BatchOutputMeta):
     `new_token_ids[i]` holds only the ids produced since the previous message for that
     rid. `finished_reasons[i]` is None while the request runs, else SGLang's dict:
     {"type": "stop", "matched": ...}, {"type": "length", "length": N} or
-    {"type": "abort", "message": ...} (with "status_code" when the request was refused).
+    {"type": "abort", "message": ...} (with "status_code" when the request was refused,
+    or 500 when handling it raised: `error_finish_reason`).
     """
 
     rids: list[str] = field(default_factory=list)
@@ -133,6 +174,26 @@ class BatchTokenIDOutput(BatchOutputMeta):
     def meta(self) -> dict[str, list]:
         """The BatchOutputMeta fields, to pass on unchanged."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(BatchOutputMeta)}
+
+    def append(self, **record: Any) -> None:
+        """Add one request: a value for every field, so the lists stay parallel."""
+        assert record.keys() == _TOKEN_ID_OUTPUT_FIELDS, sorted(record)
+        for name, value in record.items():
+            getattr(self, name).append(value)
+
+
+_TOKEN_ID_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchTokenIDOutput))
+
+
+def error_finish_reason(where: str, exc: BaseException) -> dict[str, Any]:
+    """The finish reason of a request whose handling raised (DESIGN.md §9, the second wall):
+    that request ends with this abort and the server keeps serving."""
+    return {"type": "abort", "status_code": INTERNAL_ERROR_STATUS,
+            "message": f"internal error while {where}: {type(exc).__name__}: {exc}"}
+
+
+# finish_reason["status_code"] of a request ended by `error_finish_reason`.
+INTERNAL_ERROR_STATUS = 500
 
 
 @dataclass
@@ -160,13 +221,17 @@ class ReadyMessage:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+# Longest client rid: it is echoed in every output (each streamed chunk included).
+MAX_RID_LENGTH = 512
+
+
 @dataclass
 class GenerateReqInput:
     """A native `/generate` request (or `Engine.generate` call), before tokenization.
 
     Exactly one of `text` and `input_ids` is given; each may be one prompt or a batch
-    (a list of strings / a list of id lists). `sampling_params` and `rid` may be one
-    value for all prompts or a list with one per prompt.
+    (a list of strings / a list of id lists). `sampling_params`, `rid` and the three
+    logprob fields may be one value for all prompts or a list with one per prompt.
     """
 
     text: str | list[str] | None = None
@@ -174,22 +239,29 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool = False
+    return_logprob: bool | list[bool] = False
     # Input positions from which input logprobs are returned (-1: none, only outputs).
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> "GenerateReqInput":
-        """Parse a JSON body; raises ValueError naming the offending field."""
+        """Parse a JSON body; raises ValueError naming the offending field.
+
+        As in SGLang, unknown top-level fields are ignored and null means the default.
+        A field of SGLang's request whose feature Tandem lacks (UNSUPPORTED_GENERATE_FIELDS)
+        is a ValueError naming the feature unless it holds its neutral value.
+        """
         if not isinstance(data, dict):
             raise ValueError("request body: must be a JSON object")
+        for name, feature in UNSUPPORTED_GENERATE_FIELDS.items():
+            value = data.get(name)
+            values = value if isinstance(value, list) and name in _PER_PROMPT_FLAGS else [value]
+            if not all(is_neutral(v, _NEUTRAL_GENERATE_VALUES.get(name)) for v in values):
+                raise ValueError(f"{name}: {feature} is not supported yet")
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown field")
-        obj = cls(**data)
+        obj = cls(**{k: v for k, v in data.items() if k in known and v is not None})
         obj.validate_shape()
         return obj
 
@@ -212,15 +284,18 @@ class GenerateReqInput:
                     isinstance(t, int) and not isinstance(t, bool) for t in row
                 ):
                     raise ValueError("input_ids: every prompt must be a non-empty list of integers")
-        for name in ("stream", "return_logprob", "return_text_in_logprobs"):
+        for name in ("stream", "return_text_in_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean")
+        for value in _as_list(self.return_logprob):
+            if not isinstance(value, bool):
+                raise ValueError("return_logprob: must be a boolean")
         for name, lo in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"{name}: must be an integer >= {lo}")
+            for value in _as_list(getattr(self, name)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                    raise ValueError(f"{name}: must be an integer >= {lo}")
         n = self.batch_size
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", *_PER_PROMPT_LOGPROB_FIELDS):
             value = getattr(self, name)
             if isinstance(value, list):
                 if not self.is_batch or len(value) != n:
@@ -233,6 +308,8 @@ class GenerateReqInput:
             for rid in self.rid if isinstance(self.rid, list) else [self.rid]:
                 if not isinstance(rid, str) or not rid:
                     raise ValueError("rid: must be a non-empty string")
+                if len(rid) > MAX_RID_LENGTH:
+                    raise ValueError(f"rid: must be at most {MAX_RID_LENGTH} characters, got {len(rid)}")
 
     @property
     def is_batch(self) -> bool:
@@ -257,4 +334,49 @@ class GenerateReqInput:
             input_ids=self.input_ids[i] if self.input_ids is not None else None,
             sampling_params=pick(self.sampling_params),
             rid=pick(self.rid),
+            **{name: pick(getattr(self, name)) for name in _PER_PROMPT_LOGPROB_FIELDS},
         )
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+# Logprob fields that, as in SGLang, may hold one value per prompt of a batch.
+_PER_PROMPT_LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+# Fields of SGLang's GenerateReqInput whose feature Tandem lacks -> the feature, for the
+# 400 message. Null, false, an empty value or 0 is accepted and ignored. Other fields
+# SGLang knows (labels and hints such as session_id, priority, custom_labels, log_metrics)
+# and unknown fields are ignored, as SGLang ignores unknown fields.
+UNSUPPORTED_GENERATE_FIELDS = MappingProxyType({
+    "input_embeds": "input embedding",
+    "image_data": "image input",
+    "video_data": "video input",
+    "audio_data": "audio input",
+    "token_ids_logprob": "returning logprobs of chosen token ids",
+    "return_hidden_states": "returning hidden states",
+    "return_routed_experts": "returning routed experts",
+    "return_entropy": "returning entropy",
+    "return_sampling_mask": "returning the sampling mask",
+    "return_flat_raw_top_logprobs": "flat top-logprob output",
+    "return_flat_raw_output_top_logprobs": "flat top-logprob output",
+    "return_prompt_token_ids": "returning prompt token ids",
+    "lora_path": "LoRA",
+    "lora_id": "LoRA",
+    "custom_logit_processor": "a custom logit processor",
+    "session_params": "session",
+    "bootstrap_host": "prefill-decode disaggregation",
+    "bootstrap_room": "prefill-decode disaggregation",
+    "data_parallel_rank": "data parallelism",
+    "routed_dp_rank": "data parallelism",
+    "positional_embed_overrides": "embedding override",
+    "cache_salt": "cache salt",
+    "max_thinking_tokens": "a thinking budget",
+    "require_reasoning": "reasoning control",
+    "background": "background mode",
+})
+# Neutral values besides null, false and empty ones: one data-parallel rank, rank 0.
+_NEUTRAL_GENERATE_VALUES = MappingProxyType({"data_parallel_rank": 0, "routed_dp_rank": 0})
+# Unsupported fields that may hold one flag per prompt (each must be neutral).
+_PER_PROMPT_FLAGS = frozenset({"lora_path", "lora_id", "custom_logit_processor", "return_hidden_states",
+                               "return_sampling_mask", "bootstrap_host", "bootstrap_room"})

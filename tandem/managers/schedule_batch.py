@@ -22,6 +22,9 @@ from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
 
+# Prompt ids the detokenizer gets as left context for the output (SGLang's value).
+INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
 
 @dataclass
 class Req:
@@ -84,6 +87,7 @@ class Req:
             stop=list(sp.stop),
             no_stop_trim=sp.no_stop_trim,
             stream=self.stream,
+            prompt_tail=self.origin_input_ids[-INIT_INCREMENTAL_DETOKENIZATION_OFFSET:],
         )
 
 

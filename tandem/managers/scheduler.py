@@ -22,31 +22,39 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 import zmq
 
 from tandem.managers.finish_check import FinishChecker
+from tandem.managers.profiler import SchedulerProfiler
 from tandem.managers.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
     FlushCacheOutput,
     FlushCacheReq,
     GetServerStateReq,
+    ProfileReq,
     ReadyMessage,
     ServerStateOutput,
     TokenizedGenerateReqInput,
+    error_finish_reason,
 )
 from tandem.managers.schedule_batch import Req, ScheduleBatch
 from tandem.managers.schedule_policy import NewTokenRatio, SchedulePolicy, expected_future_tokens
+from tandem.managers.forward_watchdog import ForwardWatchdog
 from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.model_executor.forward_batch import ForwardMode
+from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.cpu_threads import ComputeThreads
-from tandem.utils.process import configure_logging, notify_parent_of_failure, set_parent_death_signal
+from tandem.utils.process import (
+    configure_logging, ignore_stop_signals, report_scheduler_failure, set_parent_death_signal, set_process_title,
+)
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +67,7 @@ IN_BATCH_PREFIX_MIN = 16
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, forward_stamp: Any = None):
         self.server_args = server_args
         self.worker = TpModelWorker(server_args, tp_rank=tp_rank)
         runner = self.worker.model_runner
@@ -78,6 +86,9 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio()
         self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.compute_threads = ComputeThreads.for_device(self.device)
+        # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
+        self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
+        self.profiler = SchedulerProfiler(tp_rank)
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
@@ -110,25 +121,46 @@ class Scheduler:
             if batch is None:
                 self.poller.poll(IDLE_POLL_MS)
                 continue
-            result = self.run_batch(batch)
+            with self.watchdog.watching(batch):
+                result = self.run_batch(batch)
             self.process_batch_result(batch, result)
+            self.profiler.step()
 
     # ---- input ---------------------------------------------------------------------
     def recv_requests(self) -> list:
         return zmq_io.recv_nowait(self.recv_from_tokenizer)
 
     def process_input_requests(self, reqs: list) -> None:
+        """Handle each message; one that raises ends only its own request (DESIGN.md §9)."""
         for msg in reqs:
-            if isinstance(msg, TokenizedGenerateReqInput):
-                self.handle_generate_request(msg)
-            elif isinstance(msg, AbortReq):
-                self.handle_abort(msg)
-            elif isinstance(msg, GetServerStateReq):
-                zmq_io.send(self.send_to_tokenizer, self.server_state(msg.request_id))
-            elif isinstance(msg, FlushCacheReq):
-                zmq_io.send(self.send_to_tokenizer, self.flush_cache(msg.request_id))
-            else:
-                logger.error("scheduler got an unknown message %r", type(msg))
+            try:
+                self.handle_input(msg)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                self._input_failed(msg, e)
+
+    def handle_input(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.handle_generate_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.handle_abort(msg)
+        elif isinstance(msg, GetServerStateReq):
+            zmq_io.send(self.send_to_tokenizer, self.server_state(msg.request_id))
+        elif isinstance(msg, FlushCacheReq):
+            zmq_io.send(self.send_to_tokenizer, self.flush_cache(msg.request_id))
+        elif isinstance(msg, ProfileReq):
+            zmq_io.send(self.send_to_tokenizer, self.profiler.handle(msg))
+        else:
+            logger.error("scheduler got an unknown message %r", type(msg))
+
+    def _input_failed(self, msg, exc: Exception) -> None:
+        """A request whose input raised finishes at once with an error; a control message
+        that raised is logged (its caller times out)."""
+        if not isinstance(msg, TokenizedGenerateReqInput):
+            logger.error("handling %s failed:\n%s", type(msg).__name__, traceback.format_exc())
+            return
+        req = Req(rid=msg.rid, origin_input_ids=[], sampling_params=SamplingParams())
+        self._abort_on_error(req, "handling its input", exc)
+        self.send_outputs([req])
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
@@ -335,41 +367,59 @@ class Scheduler:
         return result
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        extend = batch.forward_mode.is_extend()
-        for i, (req, token_id) in enumerate(zip(batch.reqs, result.next_token_ids)):
-            req.kv_len += batch.extend_lens[i] if extend else 1
-            prefilling = batch.is_prefill(i)  # False for running requests mixed into a prefill
-            if prefilling and result.input_logprobs and result.input_logprobs[i] is not None:
-                self._record_input_logprobs(req, result.input_logprobs[i])
-            if prefilling and req.kv_len < req.seq_len:  # a chunk of a longer prompt
-                self.kv.cache_unfinished(req)
-                if req.to_abort is not None:
-                    req.finished_reason = {"type": "abort", "message": req.to_abort}
-                    self.chunked_req = None
-                    self.kv.release(req)
-                continue
-            if req is self.chunked_req:
-                self.chunked_req = None
-            if prefilling:
-                self.kv.cache_unfinished(req)
-            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs)
-                req.finished_reason = {"type": "length", "length": 0}
-                self.kv.release(req)
-                continue
-            req.output_ids.append(token_id)
-            if req.return_logprob:
-                req.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
-                req.output_top_logprobs.append(result.next_top_logprobs[i])
-            if req.to_abort is not None:
-                req.finished_reason = {"type": "abort", "message": req.to_abort}
-            else:
-                req.finished_reason = self.finish_checker.check(req)
-            if req.finished():
-                self.kv.release(req)
-            elif prefilling:
-                self.running.append(req)
+        """Advance every request of the batch by its result; one whose processing raises
+        (finish check, stop-string decode, ...) ends alone with an error (DESIGN.md §9)."""
+        for i, req in enumerate(batch.reqs):
+            try:
+                self._process_result_of(batch, result, i)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                self._abort_on_error(req, "processing its output", e)
         self.running = [r for r in self.running if not r.finished()]
         self.send_outputs(batch.reqs)
+
+    def _process_result_of(self, batch: ScheduleBatch, result: GenerationBatchResult, i: int) -> None:
+        req, token_id = batch.reqs[i], result.next_token_ids[i]
+        req.kv_len += batch.extend_lens[i] if batch.forward_mode.is_extend() else 1
+        prefilling = batch.is_prefill(i)  # False for running requests mixed into a prefill
+        if prefilling and result.input_logprobs and result.input_logprobs[i] is not None:
+            self._record_input_logprobs(req, result.input_logprobs[i])
+        if prefilling and req.kv_len < req.seq_len:  # a chunk of a longer prompt
+            self.kv.cache_unfinished(req)
+            if req.to_abort is not None:
+                req.finished_reason = {"type": "abort", "message": req.to_abort}
+                self.chunked_req = None
+                self.kv.release(req)
+            return
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if prefilling:
+            self.kv.cache_unfinished(req)
+        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs)
+            req.finished_reason = {"type": "length", "length": 0}
+            self.kv.release(req)
+            return
+        req.output_ids.append(token_id)
+        if req.return_logprob:
+            req.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
+            req.output_top_logprobs.append(result.next_top_logprobs[i])
+        if req.to_abort is not None:
+            req.finished_reason = {"type": "abort", "message": req.to_abort}
+        else:
+            req.finished_reason = self.finish_checker.check(req)
+        if req.finished():
+            self.kv.release(req)
+        elif prefilling:
+            self.running.append(req)
+
+    def _abort_on_error(self, req: Req, where: str, exc: Exception) -> None:
+        """End `req` alone after handling it raised: an error finish, its KV released (a
+        no-op if already released) and it leaves the running set and the chunk slot."""
+        logger.error("request %s failed while %s:\n%s", req.rid, where, traceback.format_exc())
+        req.finished_reason = error_finish_reason(where, exc)
+        self.kv.release(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.running = [r for r in self.running if r is not req]
 
     @staticmethod
     def _record_input_logprobs(req: Req, logprobs) -> None:
@@ -379,7 +429,8 @@ class Scheduler:
 
     # ---- output --------------------------------------------------------------------
     def send_outputs(self, reqs: list[Req]) -> None:
-        """One BatchTokenIDOutput for every request that has something to report."""
+        """One BatchTokenIDOutput for every request that has something to report. A request
+        whose record cannot be built is sent as an error finish instead."""
         out = BatchTokenIDOutput()
         interval = self.server_args.stream_interval
         for req in reqs:
@@ -387,51 +438,71 @@ class Scheduler:
             due = req.finished() or (req.stream and new_len > 0 and (req.sent_len == 0 or new_len >= interval))
             if not due:
                 continue
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_len :])
-            out.finished_reasons.append(req.finished_reason)
-            out.detokenize_params.append(None if req.sent_detokenize_params else req.detokenize_params())
-            out.prompt_tokens.append(req.prompt_len)
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.retractions.append(req.retractions)
-            self._add_logprobs(out, req)
+            try:
+                record = self._output_record(req)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                self._abort_on_error(req, "building its output", e)
+                record = self._error_record(req)
+            out.append(**record)
             req.sent_len = len(req.output_ids)
             req.sent_detokenize_params = True
         if out.rids:
             zmq_io.send(self.send_to_detokenizer if self.tokenizer is not None else self.send_to_tokenizer, out)
 
     @staticmethod
-    def _add_logprobs(out: BatchTokenIDOutput, req: Req) -> None:
-        if not req.return_logprob:
-            for lst in (out.output_token_logprobs, out.output_top_logprobs,
-                        out.input_token_logprobs, out.input_top_logprobs):
-                lst.append(None)
-            return
-        out.output_token_logprobs.append(req.output_token_logprobs[req.sent_len :])
-        out.output_top_logprobs.append(req.output_top_logprobs[req.sent_len :])
+    def _output_record(req: Req) -> dict:
+        """`req`'s entries of a BatchTokenIDOutput: what is new since its last output."""
         first = not req.sent_detokenize_params
-        out.input_token_logprobs.append(req.input_token_logprobs if first else None)
-        out.input_top_logprobs.append(req.input_top_logprobs if first else None)
+        logprobs = req.return_logprob
+        return {
+            "rids": req.rid,
+            "new_token_ids": req.output_ids[req.sent_len :],
+            "finished_reasons": req.finished_reason,
+            "detokenize_params": req.detokenize_params() if first else None,
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "retractions": req.retractions,
+            "output_token_logprobs": req.output_token_logprobs[req.sent_len :] if logprobs else None,
+            "output_top_logprobs": req.output_top_logprobs[req.sent_len :] if logprobs else None,
+            "input_token_logprobs": req.input_token_logprobs if logprobs and first else None,
+            "input_top_logprobs": req.input_top_logprobs if logprobs and first else None,
+        }
+
+    @staticmethod
+    def _error_record(req: Req) -> dict:
+        """The last record of a request ended by `_abort_on_error`: its finish, no new ids
+        (the detokenizer passes an unknown id without DetokenizeParams through as "")."""
+        return {
+            "rids": req.rid, "new_token_ids": [], "finished_reasons": req.finished_reason,
+            "detokenize_params": None, "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens, "retractions": req.retractions, "output_token_logprobs": None,
+            "output_top_logprobs": None, "input_token_logprobs": None, "input_top_logprobs": None,
+        }
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0) -> None:
-    """Entry of the scheduler subprocess: set up, report readiness, then loop forever."""
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0,
+                          forward_stamp: Any = None) -> None:
+    """Entry of the scheduler subprocess: set up, report readiness, then loop until the
+    parent ends it (SIGKILL). A crash or a forward past --watchdog-timeout brings the
+    server down (`report_scheduler_failure`)."""
     set_parent_death_signal()
+    set_process_title(f"tandem::scheduler_TP{tp_rank}")
     configure_logging(server_args.log_level, f"scheduler TP{tp_rank}")
     faulthandler.register(signal.SIGUSR1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
     try:
-        scheduler = Scheduler(server_args, port_args, tp_rank)
+        scheduler = Scheduler(server_args, port_args, tp_rank, forward_stamp)
     except Exception as e:  # report the start-up failure, then exit
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process="scheduler", ok=False, error=f"{type(e).__name__}: {e}"))
         sys.exit(1)
     zmq_io.send(ready, ReadyMessage(process="scheduler", info=scheduler.info()))
+    scheduler.watchdog.start(on_timeout=report_scheduler_failure)
     try:
         scheduler.event_loop_normal()
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        notify_parent_of_failure()
+        report_scheduler_failure()
         sys.exit(1)

@@ -1,10 +1,16 @@
 """The tokenizer manager: lives in the main process, on the HTTP server's asyncio loop.
 
 It tokenizes and validates requests, sends them to the scheduler, keeps one `ReqState`
-per rid, and runs `handle_loop`, which receives outputs (`BatchStrOutput` from the
+per request, and runs `handle_loop`, which receives outputs (`BatchStrOutput` from the
 detokenizer, or `BatchTokenIDOutput` straight from the scheduler under
 --skip-tokenizer-init) and wakes each waiting request. Outputs are dicts shaped like
 SGLang's `/generate` response: {"text", "output_ids", "meta_info"}.
+
+Identity: each request (each sample of an n > 1 request) gets an internal id that is
+never reused; states, the scheduler, the detokenizer, outputs and aborts all use it. The
+client's `rid` is a label: echoed in meta_info["id"], used by /abort_request, and refused
+("Duplicate request ID detected", as SGLang words it) while a request with it runs. So a
+late output or abort of an ended request can never reach a newer one with the same rid.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import itertools
 import logging
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -21,6 +29,7 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
+import tandem
 from tandem.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
@@ -29,9 +38,14 @@ from tandem.managers.io_struct import (
     FlushCacheReq,
     GenerateReqInput,
     GetServerStateReq,
+    INTERNAL_ERROR_STATUS,
+    ProfileReq,
+    ProfileReqOutput,
     ServerStateOutput,
     TokenizedGenerateReqInput,
+    error_finish_reason,
 )
+from tandem.managers.text_encoder import TextEncoder
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -46,10 +60,15 @@ LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
 class ReqState:
     """Everything the main process knows about one request in flight."""
 
-    rid: str
+    rid: str  # the internal id
+    label: str  # the client's rid (or a fresh one), echoed as meta_info["id"]
+    group: str | None  # the label of the n > 1 request this is a sample of
+    prompt_tokens: int
     created: float
     return_logprob: bool
     return_text_in_logprobs: bool
+    # Top alternatives per position; 0: the top-logprob keys are left out, as in SGLang.
+    top_logprobs_num: int = 0
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
@@ -64,13 +83,23 @@ class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any]):
         self.server_args = server_args
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
+        self.text_encoder = None if self.tokenizer is None else TextEncoder(self.tokenizer)
         self.context_len: int = scheduler_info["context_length"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.scheduler_info = scheduler_info
-        self.rid_to_state: dict[str, ReqState] = {}
-        # rid of an n > 1 request -> the rids of its samples ("{rid}-{i}"), while any runs.
-        self.sample_rids: dict[str, list[str]] = {}
+        self.rid_to_state: dict[str, ReqState] = {}  # by internal id
+        # Label -> internal ids of the running requests it names: a request's own label, and
+        # the label of an n > 1 request for all its samples (whose own labels are "{rid}-{i}").
+        self.label_to_rids: dict[str, list[str]] = {}
+        # Internal ids are "{prefix}-{counter}". The prefix names this manager (several
+        # tokenizer workers would put their index in it so that outputs find their owner).
+        self._rid_prefix = uuid.uuid4().hex[:8]
+        self._rid_counter = itertools.count()
         self._control_waiters: dict[str, asyncio.Future] = {}
+        # Set on SIGTERM/SIGINT (entrypoints/shutdown.py): new requests get 503, /health 503.
+        self.draining = False
+        # When the last message from the scheduler side arrived (time.time(); SGLang's name).
+        self.last_receive_tstamp = 0.0
         ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
         self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer, bind=True)
@@ -78,8 +107,8 @@ class TokenizerManager:
         self._loop_tasks: list[asyncio.Task] = []
 
     # ---- requests ------------------------------------------------------------------
-    def generate_request(self, obj: GenerateReqInput, incremental: bool | None = None
-                         ) -> list[AsyncIterator[dict[str, Any]]]:
+    async def generate_request(self, obj: GenerateReqInput, incremental: bool | None = None
+                               ) -> list[AsyncIterator[dict[str, Any]]]:
         """Validate, tokenize and send every prompt of `obj`; one output stream per sample.
 
         A batch of B prompts with sampling_params.n = n gives B * n streams, prompt-major.
@@ -92,29 +121,50 @@ class TokenizerManager:
         if incremental is None:
             incremental = self.server_args.incremental_streaming_output
         items = [obj.item(i) for i in range(obj.batch_size)] if obj.is_batch else [obj]
-        reqs: list[tuple[GenerateReqInput, TokenizedGenerateReqInput]] = []
+        reqs: list[tuple[GenerateReqInput, TokenizedGenerateReqInput, str, str | None]] = []
         for item in items:
-            first = self._tokenize(item)
+            first = await self._tokenize(item)
             n = first.sampling_params.n
             first.sampling_params.n = 1
+            label = item.rid or uuid.uuid4().hex
             if n == 1:
-                reqs.append((item, first))
+                reqs.append((item, first, label, None))
                 continue
-            samples = [dataclasses.replace(first, rid=f"{first.rid}-{i}", sampling_params=copy.copy(first.sampling_params))
-                       for i in range(n)]
-            reqs.extend((item, sample) for sample in samples)
-            self.sample_rids[first.rid] = [sample.rid for sample in samples]
-        rids = [r.rid for _, r in reqs]
-        if len(set(rids)) != len(rids) or any(rid in self.rid_to_state for rid in rids):
-            raise ValueError("rid: every request must have a distinct rid, not one already running")
+            reqs.extend((item, dataclasses.replace(first, rid=self._new_rid(), sampling_params=copy.copy(
+                first.sampling_params)), f"{label}-{i}", label) for i in range(n))
+        self._check_labels([label for *_, label, _ in reqs] + list(dict.fromkeys(g for *_, g in reqs if g)))
         streams = []
-        for item, req in reqs:
-            state = ReqState(rid=req.rid, created=time.time(), return_logprob=item.return_logprob,
-                             return_text_in_logprobs=item.return_text_in_logprobs)
+        for item, req, label, group in reqs:
+            state = ReqState(rid=req.rid, label=label, group=group, prompt_tokens=len(req.input_ids),
+                             created=time.time(), return_logprob=item.return_logprob,
+                             return_text_in_logprobs=item.return_text_in_logprobs,
+                             top_logprobs_num=req.top_logprobs_num)
             self.rid_to_state[req.rid] = state
+            for name in filter(None, (label, group)):
+                self.label_to_rids.setdefault(name, []).append(req.rid)
             zmq_io.send(self.send_to_scheduler, req)
             streams.append(self._wait_for_outputs(state, item.stream, incremental))
         return streams
+
+    def _new_rid(self) -> str:
+        return f"{self._rid_prefix}-{next(self._rid_counter)}"
+
+    def _check_labels(self, labels: list[str]) -> None:
+        """Refuse a rid used twice in one request or by a request still running."""
+        seen: set[str] = set()
+        for label in labels:
+            if label in seen or label in self.label_to_rids:
+                raise ValueError(f"Duplicate request ID detected: {label}")
+            seen.add(label)
+
+    def _forget(self, state: ReqState) -> None:
+        self.rid_to_state.pop(state.rid, None)
+        for name in filter(None, (state.label, state.group)):
+            rids = self.label_to_rids.get(name, [])
+            if state.rid in rids:
+                rids.remove(state.rid)
+            if not rids:
+                self.label_to_rids.pop(name, None)
 
     async def _wait_for_outputs(self, state: ReqState, stream: bool, incremental: bool
                                 ) -> AsyncIterator[dict[str, Any]]:
@@ -125,20 +175,24 @@ class TokenizerManager:
                 chunks, state.pending = state.pending, []
                 if not chunks:
                     continue
-                if stream and incremental:
-                    yield self._output(state, chunks, delta=True)
-                elif stream or state.finished:
-                    yield self._output(state, chunks, delta=False)
+                if stream or state.finished:
+                    yield self._checked_output(state, chunks, delta=stream and incremental)
                 if state.finished:
                     return
         finally:
             if not state.finished:
                 # The consumer went away (client disconnect): stop the request.
-                self.abort_request(state.rid)
-            self.rid_to_state.pop(state.rid, None)
-            parent = state.rid.rsplit("-", 1)[0]
-            if parent in self.sample_rids and not any(r in self.rid_to_state for r in self.sample_rids[parent]):
-                del self.sample_rids[parent]
+                self._send_abort(state.rid)
+            self._forget(state)
+
+    def _checked_output(self, state: ReqState, chunks: list, delta: bool) -> dict[str, Any]:
+        """`_output`, or, if building it raises, an error finish for this request alone."""
+        try:
+            return self._output(state, chunks, delta)
+        except Exception as e:  # noqa: BLE001 - the second wall
+            reason = self._fail(state, "building its response", e)
+            out: dict[str, Any] = {"output_ids": [], "meta_info": self._error_meta(state, reason)}
+            return {"text": "", **out} if self.tokenizer is not None else out
 
     def _output(self, state: ReqState, chunks: list, delta: bool) -> dict[str, Any]:
         meta = dict(chunks[-1][3])
@@ -152,22 +206,23 @@ class TokenizerManager:
                 meta[key] = [x for c in chunks for x in c[2][key]] if delta else list(state.logprobs[key])
             inputs = state.input_logprobs or {"input_token_logprobs": [], "input_top_logprobs": []}
             meta.update(inputs)
+            if not state.top_logprobs_num:
+                del meta["output_top_logprobs"], meta["input_top_logprobs"]
         out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
         if self.tokenizer is not None:
             out = {"text": text, **out}
         return out
 
-    def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+    async def _tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         assert not obj.is_batch
+        # The prompt must leave room for one generated token in the context and the KV cache.
+        most_tokens = min(self.context_len, self.scheduler_info["max_total_num_tokens"]) - 1
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
-            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         else:
-            if self.tokenizer is None:
+            if self.text_encoder is None:
                 raise ValueError("text: the server runs with --skip-tokenizer-init; send input_ids")
-            input_ids = self.tokenizer.encode(obj.text)
+            input_ids = await self.text_encoder.encode(obj.text, "text", max_tokens=most_tokens)
             if not input_ids:
                 raise ValueError("text: the prompt tokenizes to no tokens")
         max_tokens = self.scheduler_info["max_total_num_tokens"]
@@ -181,8 +236,13 @@ class TokenizerManager:
                 f"text/input_ids: the prompt has {len(input_ids)} tokens, the context length is "
                 f"{self.context_len}; it must be shorter"
             )
-        params = SamplingParams.from_dict(copy.deepcopy(obj.sampling_params))
+        if obj.input_ids is not None:
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        params = SamplingParams.from_dict(obj.sampling_params)
         params.verify(self.vocab_size)
+        params.normalize(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this server runs with "
                              "--skip-tokenizer-init (use stop_token_ids)")
@@ -190,20 +250,24 @@ class TokenizerManager:
             raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
         if obj.top_logprobs_num > self.vocab_size:
             raise ValueError(f"top_logprobs_num: must be <= the vocabulary size ({self.vocab_size})")
-        rid = obj.rid or uuid.uuid4().hex
         return TokenizedGenerateReqInput(
-            rid=rid, input_ids=input_ids, sampling_params=params, stream=obj.stream, input_text=obj.text,
+            rid=self._new_rid(), input_ids=input_ids, sampling_params=params, stream=obj.stream, input_text=obj.text,
             return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0)
 
-    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        """Stop one request (every sample of an n > 1 request), or all: queued ones leave
-        the queue, running ones stop within a step."""
+    def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
+        """Stop the running request(s) labelled `rid` (every sample of an n > 1 request),
+        or all: queued ones leave the queue, running ones stop within a step. With
+        `abort_all`, `message` is the finish_reason's message."""
         if abort_all:
-            zmq_io.send(self.send_to_scheduler, AbortReq(abort_all=True))
+            zmq_io.send(self.send_to_scheduler, AbortReq(abort_all=True, message=message))
             return
-        for target in self.sample_rids.get(rid, [rid]):
-            zmq_io.send(self.send_to_scheduler, AbortReq(rid=target))
+        for internal in self.label_to_rids.get(rid, []):
+            self._send_abort(internal)
+
+    def _send_abort(self, rid: str) -> None:
+        """Abort by internal id; the scheduler ignores an id that has ended."""
+        zmq_io.send(self.send_to_scheduler, AbortReq(rid=rid))
 
     async def get_server_state(self, timeout: float = 10.0) -> ServerStateOutput:
         """Live scheduler counts (memory, queue lengths)."""
@@ -214,13 +278,21 @@ class TokenizerManager:
         state = await self.get_server_state()
         args = {k: v for k, v in self.server_args.to_dict().items() if k != "api_key"}
         live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
-        return {**args, **self.scheduler_info, **live}
+        # SGLang's keys: the live counts per data-parallel rank, and the version.
+        return {**args, **self.scheduler_info, **live, "internal_states": [live], "version": tandem.__version__}
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheOutput:
         """Empty the prefix cache; the scheduler refuses while requests run or wait."""
         return await self._control_call(FlushCacheReq(request_id=uuid.uuid4().hex), timeout)
 
-    async def _control_call(self, msg: GetServerStateReq | FlushCacheReq, timeout: float) -> Any:
+    async def profile(self, req: ProfileReq, timeout: float = 60.0) -> ProfileReqOutput:
+        """Start or stop the scheduler's torch profiler (stopping writes the trace)."""
+        req.request_id = uuid.uuid4().hex
+        if req.action == "start":
+            req.profile_id = req.profile_id or str(time.time())
+        return await self._control_call(req, timeout)
+
+    async def _control_call(self, msg: GetServerStateReq | FlushCacheReq | ProfileReq, timeout: float) -> Any:
         """Send a control request; await the scheduler's reply with the same request_id."""
         self._ensure_handle_loop()
         future = asyncio.get_running_loop().create_future()
@@ -232,7 +304,10 @@ class TokenizerManager:
             self._control_waiters.pop(msg.request_id, None)
 
     async def close(self) -> None:
-        """Stop the receive loops (call on the manager's event loop before it stops)."""
+        """Stop the receive loops and the tokenizer thread (call on the manager's event loop
+        before it stops)."""
+        if self.text_encoder is not None:
+            self.text_encoder.close()
         tasks, self._loop_tasks = self._loop_tasks, []
         for t in tasks:
             t.cancel()
@@ -250,9 +325,10 @@ class TokenizerManager:
     async def handle_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             msg = await zmq_io.recv_async(sock)
+            self.last_receive_tstamp = time.time()
             if isinstance(msg, (BatchStrOutput, BatchTokenIDOutput)):
                 self._handle_batch_output(msg)
-            elif isinstance(msg, (ServerStateOutput, FlushCacheOutput)):
+            elif isinstance(msg, (ServerStateOutput, FlushCacheOutput, ProfileReqOutput)):
                 future = self._control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
@@ -261,38 +337,65 @@ class TokenizerManager:
 
     def _handle_batch_output(self, msg: BatchStrOutput | BatchTokenIDOutput) -> None:
         now = time.time()
-        has_text = isinstance(msg, BatchStrOutput)
         for i, rid in enumerate(msg.rids):
             state = self.rid_to_state.get(rid)
-            if state is None:  # aborted by its client; the scheduler's last words
+            if state is None or state.finished:  # a late output of a request that has ended
                 continue
-            finished = msg.finished_reasons[i]
-            text = msg.text_deltas[i] if has_text else ""
-            state.text += text
-            state.output_ids.extend(msg.new_token_ids[i])
-            deltas = {k: [] for k in LOGPROB_KEYS}
-            if state.return_logprob and msg.output_token_logprobs[i] is not None:
-                deltas["output_token_logprobs"] = self._with_text(msg.output_token_logprobs[i], state)
-                deltas["output_top_logprobs"] = [self._with_text(top, state) for top in msg.output_top_logprobs[i]]
-                for key in LOGPROB_KEYS:
-                    state.logprobs[key].extend(deltas[key])
-                if msg.input_token_logprobs[i] is not None:
-                    state.input_logprobs = {
-                        "input_token_logprobs": self._with_text(msg.input_token_logprobs[i], state),
-                        "input_top_logprobs": [self._with_text(top, state) for top in msg.input_top_logprobs[i]],
-                    }
-            meta = {
-                "id": rid,
-                "finish_reason": finished,
-                "prompt_tokens": msg.prompt_tokens[i],
-                "completion_tokens": msg.completion_tokens[i],
-                "cached_tokens": msg.cached_tokens[i],
-                "retractions": msg.retractions[i],
-                "e2e_latency": now - state.created,
-            }
-            state.pending.append((text, msg.new_token_ids[i], deltas, meta))
-            state.finished = finished is not None
+            try:
+                self._apply_output(state, msg, i, now)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                reason = self._fail(state, "handling its output", e)
+                state.pending.append(("", [], {k: [] for k in LOGPROB_KEYS}, self._error_meta(state, reason)))
             state.event.set()
+
+    def _apply_output(self, state: ReqState, msg: BatchStrOutput | BatchTokenIDOutput, i: int, now: float) -> None:
+        finished = msg.finished_reasons[i]
+        text = msg.text_deltas[i] if isinstance(msg, BatchStrOutput) else ""
+        state.text += text
+        state.output_ids.extend(msg.new_token_ids[i])
+        deltas = {k: [] for k in LOGPROB_KEYS}
+        if state.return_logprob and msg.output_token_logprobs[i] is not None:
+            deltas["output_token_logprobs"] = self._with_text(msg.output_token_logprobs[i], state)
+            deltas["output_top_logprobs"] = [self._with_text(top, state) for top in msg.output_top_logprobs[i]]
+            for key in LOGPROB_KEYS:
+                state.logprobs[key].extend(deltas[key])
+            if msg.input_token_logprobs[i] is not None:
+                state.input_logprobs = {
+                    "input_token_logprobs": self._with_text(msg.input_token_logprobs[i], state),
+                    "input_top_logprobs": [self._with_text(top, state) for top in msg.input_top_logprobs[i]],
+                }
+        meta = self._meta(state, finished, msg.prompt_tokens[i], msg.completion_tokens[i], msg.cached_tokens[i],
+                          msg.retractions[i], now)
+        state.pending.append((text, msg.new_token_ids[i], deltas, meta))
+        state.finished = finished is not None
+        if finished is not None and finished.get("status_code") == INTERNAL_ERROR_STATUS:
+            self._send_abort(state.rid)  # failed in the detokenizer: the scheduler may still run it
+
+    @staticmethod
+    def _meta(state: ReqState, finished: dict[str, Any] | None, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int, retractions: int, now: float) -> dict[str, Any]:
+        meta = {
+            "id": state.label,
+            "finish_reason": finished,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens,
+            "num_retractions": retractions,
+        }
+        if finished is not None:
+            meta["e2e_latency"] = now - state.created
+        return meta
+
+    def _error_meta(self, state: ReqState, reason: dict[str, Any]) -> dict[str, Any]:
+        return self._meta(state, reason, state.prompt_tokens, len(state.output_ids), 0, 0, time.time())
+
+    def _fail(self, state: ReqState, where: str, exc: Exception) -> dict[str, Any]:
+        """End one request after handling it raised (DESIGN.md §9, the second wall): log,
+        mark it finished, make sure the scheduler stops it; returns its finish reason."""
+        logger.error("request %s (rid %s) failed while %s:\n%s", state.rid, state.label, where, traceback.format_exc())
+        state.finished = True
+        self._send_abort(state.rid)
+        return error_finish_reason(where, exc)
 
     def _with_text(self, pairs: list, state: ReqState) -> list[list]:
         """(logprob, id) pairs -> SGLang's [logprob, id, text or None] triples."""

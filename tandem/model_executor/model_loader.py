@@ -1,4 +1,5 @@
-"""Reads a Hugging Face model directory: config and safetensors weights, tensor by tensor."""
+"""Reads a Hugging Face model directory: config and safetensors weights, tensor by tensor
+(or, with --load-format dummy, fills the weights with seeded random values instead)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,18 @@ def iterate_weights(model_path: str, show_progress: bool = True) -> Iterator[tup
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+# --load-format dummy draws every weight from U(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE), as SGLang does.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights without weight files (benchmarks and tests of a model's shape)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for tensor in model.parameters():  # not the buffers: RoPE tables stay computed
+        if tensor.is_floating_point():
+            values = torch.empty(tensor.shape, dtype=torch.float32).uniform_(
+                -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+            tensor.copy_(values)

@@ -16,7 +16,7 @@ from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.model_executor.forward_batch import ForwardBatch
-from tandem.model_executor.model_loader import iterate_weights, load_config
+from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
 from tandem.models.llama import ModelContext
 from tandem.models.registry import resolve_model_class
 from tandem.server_args import ServerArgs
@@ -66,7 +66,10 @@ class ModelRunner:
                 model = cls(self.config, tp_rank=tp_rank, tp_size=tp_size)
         finally:
             torch.set_default_dtype(previous)
-        model.load_weights(iterate_weights(self.server_args.model_path))
+        if self.server_args.load_format == "dummy":
+            initialize_dummy_weights(model, self.server_args.random_seed)
+        else:
+            model.load_weights(iterate_weights(self.server_args.model_path))
         model.process_weights_after_loading(self.server_args.linear_backend)
         self.model = model.eval()
         attn = self.model.model.layers[0].self_attn

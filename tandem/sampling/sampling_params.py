@@ -7,11 +7,43 @@ names the offending field, which the HTTP layer turns into a 400. The penalties 
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 # Below this temperature sampling is greedy (argmax); SGLang uses the same cut.
 GREEDY_TEMPERATURE_EPS = 1e-6
+# Most samples one request may ask for (`n`, native and OpenAI).
+MAX_N = 128
+# Integer parameters must fit a signed 64-bit tensor element.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# SGLang sampling parameters of features Tandem does not have yet -> the feature, for the
+# 400 message. Their neutral value (null, empty, beam_width 1) is accepted and ignored.
+UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType({
+    "json_schema": "structured output",
+    "regex": "structured output",
+    "ebnf": "structured output",
+    "structural_tag": "structured output",
+    "choice": "structured output (choice)",
+    "stop_regex": "stopping on a regular expression",
+    "beam_width": "beam search",
+    "logit_bias": "logit bias",
+    "custom_params": "custom logit processor input",
+    "watermark": "watermarking",
+    "stream_interval": "a per-request stream interval (use --stream-interval)",
+})
+# Neutral values besides null and empty ones.
+_NEUTRAL_SAMPLING_VALUES = MappingProxyType({"beam_width": 1})
+
+
+def is_neutral(value: Any, neutral: Any = None) -> bool:
+    """True for null, False, an empty string/list/object, or the field's own `neutral` value."""
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return neutral is not None and value == neutral and not isinstance(value, bool)
 
 
 @dataclass
@@ -36,12 +68,21 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a request's `sampling_params` object; unknown keys are an error."""
+        """Build from a request's `sampling_params` object.
+
+        Every key of SGLang's sampling parameters is accepted; JSON null (and an empty
+        string, list or object) means the default. A key whose feature Tandem lacks is a
+        ValueError naming the feature unless it has its neutral value; a key SGLang does
+        not know either is an error, as in SGLang.
+        """
         data = dict(data or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - set(UNSUPPORTED_SAMPLING_PARAMS))
         if unknown:
             raise ValueError(f"sampling_params.{unknown[0]}: unknown sampling parameter")
+        for name, feature in UNSUPPORTED_SAMPLING_PARAMS.items():
+            if not is_neutral(data.pop(name, None), _NEUTRAL_SAMPLING_VALUES.get(name)):
+                raise ValueError(f"sampling_params.{name}: {feature} is not supported yet")
         # JSON null means "default".
         data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
         if isinstance(data.get("stop"), str):
@@ -57,7 +98,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def verify(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field when a value has the wrong type or range."""
+        """Raise ValueError naming the field when a value has the wrong type or range.
+
+        Every value that reaches a tensor is bounded here: integers fit in 64 bits,
+        floats are finite, `n` is at most MAX_N, token ids are inside the vocabulary
+        (when `vocab_size` is given).
+        """
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_number("temperature", self.temperature, lo=0.0)
         _check_number("top_p", self.top_p)
@@ -83,8 +129,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling_params.{name}: must be a boolean")
         if self.sampling_seed is not None:
-            _check_int("sampling_seed", self.sampling_seed)
-        _check_int("n", self.n, lo=1)
+            _check_int("sampling_seed", self.sampling_seed, lo=INT64_MIN)
+        _check_int("n", self.n, lo=1, hi=MAX_N)
         for name in ("frequency_penalty", "presence_penalty"):
             _check_number(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -97,18 +143,38 @@ class SamplingParams:
             raise ValueError(f"sampling_params.min_new_tokens: must be <= max_new_tokens ({self.max_new_tokens}), "
                              f"got {self.min_new_tokens}")
 
+    def normalize(self, vocab_size: int) -> None:
+        """Clamp what is larger than the model can use: a top_k past the vocabulary means
+        all of it. (The scheduler caps max_new_tokens to the context.) Call after verify()."""
+        if self.top_k > vocab_size:
+            self.top_k = vocab_size
 
-def _check_int(name: str, value: Any, lo: int | None = None) -> None:
+
+def _check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> None:
+    """An integer in [lo, hi]; the default range is what fits a signed 64-bit tensor."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"sampling_params.{name}: must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"sampling_params.{name}: must be >= {lo}, got {value}")
+        raise ValueError(f"sampling_params.{name}: must be an integer, got {_show(value)}")
+    if value < lo:
+        raise ValueError(f"sampling_params.{name}: must be >= {lo}, got {_show(value)}")
+    if value > hi:
+        raise ValueError(f"sampling_params.{name}: must be <= {hi}, got {_show(value)}")
 
 
 def _check_number(name: str, value: Any, lo: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"sampling_params.{name}: must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"sampling_params.{name}: must not be NaN")
+        raise ValueError(f"sampling_params.{name}: must be a number, got {_show(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"sampling_params.{name}: must be a finite number, got {_show(value)}")
     if lo is not None and value < lo:
         raise ValueError(f"sampling_params.{name}: must be >= {lo}, got {value}")
+
+
+def _show(value: Any) -> str:
+    """A short repr of a client's value for an error message (never huge, never recursing)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return reprlib.repr(value)

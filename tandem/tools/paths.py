@@ -1,9 +1,10 @@
-"""Locations of optional, read-only model files shared outside the repository.
+"""Locations of the model files that ship with the repository.
 
-The real stories260K checkpoint (Karpathy's llama2.c, TinyStories) lives next to
-the repository, in ``<repo>/../shared/models/stories260K``; the environment
-variable ``TANDEM_STORIES_DIR`` overrides that location. Tests that need the
-files call :func:`stories260k_dir` and skip when it returns ``None``.
+llama2.c's stories260K checkpoint (Karpathy, TinyStories; MIT licence) ships in
+``<repo>/assets/stories260K`` with its licence notice; ``make serve`` converts it into
+``models/stories260K``, its default model, and tests convert it per session. The
+environment variable ``TANDEM_STORIES_DIR`` points elsewhere (a folder holding the
+same two files).
 """
 
 from __future__ import annotations
@@ -20,19 +21,15 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def _has_stories_files(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in STORIES_FILES)
+def stories260k_dir() -> Path:
+    """The folder holding ``stories260K.bin`` and ``tok512.bin``: ``$TANDEM_STORIES_DIR``
+    when set, else the copy shipped in ``<repo>/assets/stories260K``.
 
-
-def stories260k_dir() -> Path | None:
-    """The stories260K folder, or ``None`` when its files are not available.
-
-    ``TANDEM_STORIES_DIR`` wins when set (and is returned only if it holds the
-    files); otherwise ``<repo>/../shared/models/stories260K`` is tried.
+    Raises FileNotFoundError naming the folder when a file is missing.
     """
     override = os.environ.get(STORIES_ENV_VAR)
-    if override:
-        candidate = Path(override).expanduser().resolve()
-        return candidate if _has_stories_files(candidate) else None
-    candidate = (repo_root() / ".." / "shared" / "models" / "stories260K").resolve()
-    return candidate if _has_stories_files(candidate) else None
+    directory = Path(override).expanduser().resolve() if override else repo_root() / "assets" / "stories260K"
+    missing = [name for name in STORIES_FILES if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"stories260K: {', '.join(missing)} not found in {directory}")
+    return directory

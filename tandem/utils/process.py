@@ -1,4 +1,5 @@
-"""Process helpers: the parent-death hook, killing a process tree, logging set-up."""
+"""Process helpers: names, the parent-death hook, stop signals, killing a process tree,
+reporting a child's failure, logging set-up."""
 
 from __future__ import annotations
 
@@ -10,10 +11,25 @@ import socket
 import sys
 
 import psutil
+import setproctitle
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# SGLang's SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION: a failing scheduler SIGKILLs its whole
+# process group instead of asking the parent to shut the server down.
+KILLPG_ENV = "TANDEM_KILLPG_ON_SCHEDULER_EXCEPTION"
+
+
+def set_process_title(title: str) -> None:
+    """Name this process (`tandem::scheduler_TP0`, ...) as `ps` and psutil show it."""
+    setproctitle.setproctitle(title)
+
+
+def set_process_name(name: str) -> None:
+    """Set only the short process name (`ps -e`, `top`, psutil's `name()`; at most 15
+    characters), keeping the command line that scripts match on."""
+    setproctitle.setthreadtitle(name)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -27,8 +43,18 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable")
 
 
-def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.0) -> None:
-    """SIGTERM `pid` and all its descendants, then SIGKILL whatever is left."""
+def ignore_stop_signals() -> None:
+    """For subprocesses: ignore SIGINT and SIGTERM, which a terminal (Ctrl-C) or a
+    service manager sends to the whole process group. The main process drains and then
+    ends its children itself (SIGKILL); they must not die before the drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def kill_process_tree(pid: int, include_parent: bool = True, sig: int = signal.SIGTERM,
+                      timeout: float = 5.0) -> None:
+    """Send `sig` to `pid` and all its descendants, then SIGKILL whatever is left after
+    `timeout` seconds."""
     try:
         parent = psutil.Process(pid)
     except psutil.NoSuchProcess:
@@ -38,7 +64,7 @@ def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.
         procs.append(parent)
     for p in procs:
         try:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout)
@@ -66,8 +92,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def notify_parent_of_failure() -> None:
-    """Tell the main process that a subprocess crashed (it shuts the whole tree down)."""
+    """Tell the main process that a subprocess failed (it shuts the whole tree down)."""
     try:
         os.kill(os.getppid(), signal.SIGQUIT)
     except OSError:  # pragma: no cover
         pass
+
+
+def report_scheduler_failure() -> None:
+    """A scheduler fault (an exception in its loop, a forward past the watchdog): tell
+    the parent, or with TANDEM_KILLPG_ON_SCHEDULER_EXCEPTION=1 SIGKILL the whole process
+    group at once (the parent included, so it gets no chance to clean up)."""
+    if os.environ.get(KILLPG_ENV, "").lower() in ("1", "true", "yes"):
+        logger.error("%s is set: killing the process group", KILLPG_ENV)
+        os.killpg(0, signal.SIGKILL)
+    notify_parent_of_failure()

@@ -43,7 +43,8 @@ def _generate(server, input_ids: list[int], max_new_tokens: int, **params) -> di
 
 
 def _chat_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True))
+    """The prompt ids SGLang uses for MESSAGES: the template's, no BOS added by tokenizing."""
+    return tokenizer.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True, return_dict=False)
 
 
 def test_chat_matches_generate(server, client, tokenizer):

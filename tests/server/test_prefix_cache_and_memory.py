@@ -119,7 +119,7 @@ def test_small_kv_pool_retracts_and_completes(reference, tiny_llama_dir):
                                                   "--chunked-prefill-size", "32"]) as server:
         outs = run_all(server.base_url, prompts, params)
         assert [o["output_ids"] for o in outs] == singles
-        assert sum(o["meta_info"]["retractions"] for o in outs) > 0, "the pool was meant to run out"
+        assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "the pool was meant to run out"
         assert_idle_invariant(server.base_url)
         # A prompt longer than the whole pool is refused at once, and the server goes on.
         r = httpx.post(server.base_url + "/generate", json={"text": "word " * 500}, timeout=30)

@@ -2,8 +2,8 @@
 
 The reference implementations of llama2.c's tokenizer ``encode`` and of its
 transformer forward (interleaved-pair RoPE) below are written from llama2.c's
-run.c and read the .bin files directly, independently of the converter.
-Skipped when the stories260K files are absent (see tandem.tools.paths).
+run.c and read the .bin files directly, independently of the converter. The files are
+the copy shipped in assets/stories260K (see tandem.tools.paths).
 """
 
 from __future__ import annotations
@@ -22,17 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from tandem.tools.convert_llama2c import convert_llama2c, permute_rotary
 from tandem.tools.paths import stories260k_dir
 
 STORIES = stories260k_dir()
-pytestmark = pytest.mark.skipif(
-    STORIES is None,
-    reason="stories260K not found (<repo>/../shared/models/stories260K or $TANDEM_STORIES_DIR)",
-)
-
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 SPECIAL_TEXTS = ("<s>", "</s>", "<unk>")
 HYPOTHESIS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tandem.managers.incremental_detokenizer import IncrementalDetokenizer
+from tandem.managers.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
 from tandem.managers.io_struct import DetokenizeParams
+from tandem.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 
 FFFD = "\ufffd"
 
@@ -96,13 +97,15 @@ def sp():
     return TOKENIZERS["sp"]
 
 
-def params(stop=(), no_stop_trim=False, skip=True, spaces=True, stream=True) -> DetokenizeParams:
+def params(stop=(), no_stop_trim=False, skip=True, spaces=True, stream=True, prompt=()) -> DetokenizeParams:
+    """DetokenizeParams; `prompt` ids are cut to their tail as Req.detokenize_params does."""
     return DetokenizeParams(
         skip_special_tokens=skip,
         spaces_between_special_tokens=spaces,
         stop=list(stop),
         no_stop_trim=no_stop_trim,
         stream=stream,
+        prompt_tail=list(prompt)[-INIT_INCREMENTAL_DETOKENIZATION_OFFSET:],
     )
 
 
@@ -110,9 +113,10 @@ def enc(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def run(tokenizer, p: DetokenizeParams, chunks: list[list[int]], finish: dict | None = None):
+def run(tokenizer, p: DetokenizeParams, chunks: list[list[int]], finish: dict | None = None,
+        byte_ids: frozenset[int] = frozenset()):
     """Feed chunks one step each, the last one with `finish`; return (deltas, outputs)."""
-    d = IncrementalDetokenizer(tokenizer, p)
+    d = IncrementalDetokenizer(tokenizer, p, byte_ids)
     deltas, outputs = [], []
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
@@ -506,8 +510,6 @@ def test_property_streamed_text_equals_full_decode_even_for_invalid_utf8(name, d
     """With the tokenizer's byte-fallback ids known (as the detokenizer process passes
     them), token-by-token output equals the full decode whatever the bytes, valid or not:
     a streamed response always ends on the same text as a non-streamed one."""
-    from tandem.managers.incremental_detokenizer import byte_fallback_token_ids
-
     tokenizer = TOKENIZERS[name]
     byte_ids = sorted(byte_fallback_token_ids(tokenizer))
     pieces = data.draw(st.lists(st.one_of(
@@ -520,3 +522,91 @@ def test_property_streamed_text_equals_full_decode_even_for_invalid_utf8(name, d
     assert streamed == tokenizer.decode(ids, skip_special_tokens=True)
     if name == "sp":
         assert byte_ids, "the SentencePiece test tokenizer has byte-fallback tokens"
+
+
+# ------------------------------------------------- the prompt's tail as context
+#
+# decode(prompt) + output text == decode(prompt + output ids): on the two tokenizers
+# above, on the converted stories260K tokenizer (SentencePiece, byte fallback, BOS), and
+# on the tiny models' tokenizers (llama: SentencePiece-style with byte fallback; qwen2:
+# byte-level).
+
+
+@pytest.fixture(scope="module", params=["sp", "bl", "stories_dir", "tiny_llama_dir", "tiny_qwen2_dir"])
+def any_tok(request):
+    if request.param in TOKENIZERS:
+        return TOKENIZERS[request.param]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(request.getfixturevalue(request.param))
+
+
+@pytest.fixture(scope="module")
+def stories_tok(stories_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(stories_dir)
+
+
+def test_first_output_piece_keeps_its_space(stories_tok):
+    """The issue's case: "Tom had a" then "▁big ▁box" is " big box", not "big box"."""
+    prompt = stories_tok.encode("Tom had a")
+    full = stories_tok.encode("Tom had a big box")
+    assert full[: len(prompt)] == prompt and prompt[0] == stories_tok.bos_token_id
+    out = full[len(prompt):]
+    assert stories_tok.decode(out) == "big box"  # what decoding the output alone gives
+    for chunks in ([out], one_per_step(out) + [[]]):
+        deltas, _ = run(stories_tok, params(prompt=prompt), chunks, {"type": "length"})
+        assert "".join(deltas) == " big box"
+    deltas, _ = run(stories_tok, params(prompt=prompt, stop=[" box"]), one_per_step(out),
+                    {"type": "stop", "matched": " box"})
+    assert "".join(deltas) == " big"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@HSET
+@given(data=st.data())
+def test_property_prompt_then_output_is_decode_of_all_ids(any_tok, skip, data):
+    prompt = data.draw(id_sequences(any_tok))
+    out = data.draw(id_sequences(any_tok))
+    chunks = data.draw(chunked(out))
+    head = any_tok.decode(prompt, skip_special_tokens=skip)
+    full = any_tok.decode(prompt + out, skip_special_tokens=skip)
+    byte_ids = byte_fallback_token_ids(any_tok)
+    deltas, outputs = run(any_tok, params(skip=skip, prompt=prompt), chunks, {"type": "length"}, byte_ids)
+    if FFFD in head or FFFD in full:
+        return  # the prompt or the whole is not valid UTF-8: no text to compare with
+    assert head + "".join(deltas) == full
+    assert all(full.startswith(head + o) for o in outputs)
+
+
+@HSET
+@given(data=st.data())
+def test_property_prompt_tail_with_stop_strings(any_tok, data):
+    prompt = data.draw(id_sequences(any_tok, allow_random_ids=False))
+    out = data.draw(id_sequences(any_tok, allow_random_ids=False))
+    head = any_tok.decode(prompt, skip_special_tokens=True)
+    text = any_tok.decode(prompt + out, skip_special_tokens=True)[len(head):]
+    stop = data.draw(st.integers(0, max(len(text) - 1, 0)).flatmap(
+        lambda a: st.integers(a + 1, a + 4).map(lambda b: text[a:b]))) or "zz"
+    chunks = data.draw(chunked(out))
+    no_trim = data.draw(st.booleans())
+    deltas, outputs = run(any_tok, params(stop=[stop], no_stop_trim=no_trim, prompt=prompt), chunks,
+                          {"type": "stop", "matched": stop}, byte_fallback_token_ids(any_tok))
+    if FFFD in head + text:
+        return
+    expected = text if no_trim or stop not in text else text[: text.find(stop)]
+    assert "".join(deltas) == expected
+    assert all(expected.startswith(o) for o in outputs)
+
+
+def test_prompt_tail_cut_inside_a_character(sp):
+    """A tail that starts inside a byte-fallback character must not garble an output
+    character that continues the byte run."""
+    prompt = enc(sp, "a猫😀")  # byte tokens: 猫 3, 😀 4
+    assert len(prompt) > INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+    out = enc(sp, "猫")[-3:]
+    assert sp.convert_ids_to_tokens(out) == ["<0xE7>", "<0x8C>", "<0xAB>"]
+    byte_ids = byte_fallback_token_ids(sp)
+    deltas, _ = run(sp, params(prompt=prompt), one_per_step(out) + [[]], {"type": "length"}, byte_ids)
+    assert "".join(deltas) == "猫"

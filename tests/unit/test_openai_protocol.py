@@ -6,14 +6,17 @@ incremental chunks, logprob lists in meta_info)."""
 from __future__ import annotations
 
 
+import asyncio
+
 import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from tandem.entrypoints.openai.common import resolve_max_tokens, usage_of
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
-from tandem.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.openai.serving_chat import (
     ChatStreamConverter, build_chat_generate_input, build_chat_response, encode_chat_prompt, render_chat_prompt,
@@ -22,7 +25,8 @@ from tandem.entrypoints.openai.serving_completions import (
     CompletionStreamConverter, Prompt, build_completion_generate_input, build_completion_response, split_prompts,
     tokenize_prompts,
 )
-from tandem.entrypoints.openai.common import check_model, reject_unsupported
+from tandem.entrypoints.openai.common import reject_unsupported
+from tandem.managers.text_encoder import TextEncoder
 from tandem.server_args import ServerArgs
 
 MODEL = "tiny"
@@ -33,6 +37,13 @@ def tokenizer(tiny_llama_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer):
+    enc = TextEncoder(tokenizer)
+    yield enc
+    enc.close()
 
 
 def _args(**kw) -> ServerArgs:
@@ -70,11 +81,15 @@ def test_max_tokens_budget():
     assert resolve_max_tokens(None, 120, 128, 16, "max_tokens", "prompt") == 8
     assert resolve_max_tokens(5, 10, 128, 16, "max_tokens", "prompt") == 5
     with pytest.raises(OpenAIError) as e:
-        resolve_max_tokens(200, 10, 128, None, "max_tokens", "messages")
-    assert e.value.param == "max_tokens" and e.value.status == 400
+        resolve_max_tokens(200, 10, 128, None, "max_completion_tokens", "messages")
+    assert e.value.param == "max_completion_tokens" and e.value.status == 400
+    # SGLang's wording, which its clients and tests match on.
+    assert e.value.message.startswith("Requested token count exceeds the model's maximum context length of 128 "
+                                      "tokens. You requested a total of 210 tokens: 10 tokens")
     with pytest.raises(OpenAIError) as e:
         resolve_max_tokens(None, 128, 128, None, "max_tokens", "messages")
     assert e.value.param == "messages"
+    assert e.value.message == "The input (128 tokens) is longer than the model's context length (128 tokens)."
 
 
 @pytest.mark.parametrize("field,value,ok", [
@@ -93,13 +108,19 @@ def test_unsupported_fields(field, value, ok):
         assert e.value.param == field and "not supported yet" in e.value.message
 
 
-def test_model_name_checked():
-    args = _args()
-    check_model(MODEL, args)
-    check_model("/models/tiny-llama", args)
-    with pytest.raises(OpenAIError) as e:
-        check_model("gpt-4", args)
-    assert e.value.status == 400 and e.value.code == "model_not_found" and e.value.param == "model"
+def test_error_code_is_the_numeric_status():
+    assert OpenAIError("x", 400).to_dict()["code"] == 400
+    assert OpenAIError("x", 503).to_dict()["code"] == 503
+
+
+@pytest.mark.parametrize("role,ok", [("user", True), ("SYSTEM", True), ("developer", True), ("tool", True),
+                                     ("wizard", False), ("", False)])
+def test_chat_roles_are_sglangs(role, ok):
+    if ok:
+        assert ChatMessage(role=role, content="hi").role == role.lower()
+    else:
+        with pytest.raises(ValidationError, match="'role' must be one of"):
+            ChatMessage(role=role, content="hi")
 
 
 def test_value_error_names_openai_field():
@@ -110,16 +131,20 @@ def test_value_error_names_openai_field():
     assert from_value_error(ValueError("something odd happened")).param is None
 
 
-def test_chat_template_and_bos(tokenizer):
+def test_chat_template_and_bos(tokenizer, encoder):
     text = render_chat_prompt(tokenizer, _chat().messages)
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    ids = encode_chat_prompt(tokenizer, text)
-    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
-    # A template that writes BOS itself must not get a second one.
+    # The ids apply_chat_template(tokenize=True) gives (SGLang's): only the template's
+    # special tokens, so no BOS here, where the tokenizer alone would add one.
+    messages = [m.model_dump(exclude_none=True) for m in _chat().messages]
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert asyncio.run(encode_chat_prompt(encoder, text)) == expected
+    assert tokenizer.bos_token_id not in expected and tokenizer.encode(text)[0] == tokenizer.bos_token_id
+    # A template that writes BOS itself gets exactly that one.
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     text = render_chat_prompt(tokenizer, _chat().messages, template)
     assert text.startswith("<s>")
-    assert encode_chat_prompt(tokenizer, text).count(tokenizer.bos_token_id) == 1
+    assert asyncio.run(encode_chat_prompt(encoder, text)).count(tokenizer.bos_token_id) == 1
 
 
 def test_chat_content_parts(tokenizer):
@@ -139,7 +164,7 @@ def test_chat_without_tokenizer_is_400():
     assert "without a tokenizer" in e.value.message
 
 
-def test_completion_prompt_forms(tokenizer):
+def test_completion_prompt_forms(tokenizer, encoder):
     assert split_prompts("ab") == ["ab"]
     assert split_prompts(["a", "b"]) == ["a", "b"]
     assert split_prompts([5, 6]) == [[5, 6]]
@@ -147,12 +172,12 @@ def test_completion_prompt_forms(tokenizer):
     for bad in ([], [[]], [""]):
         with pytest.raises(OpenAIError):
             split_prompts(bad)
-    prompts = tokenize_prompts(tokenizer, ["Hello", [600, 922]])
+    prompts = asyncio.run(tokenize_prompts(encoder, ["Hello", [600, 922]]))
     assert prompts[0].input_ids == tokenizer.encode("Hello") and prompts[0].text == "Hello"
     assert prompts[1].input_ids == [600, 922] and prompts[1].text == tokenizer.decode([600, 922])
     with pytest.raises(OpenAIError):
-        tokenize_prompts(None, ["Hello"])
-    assert tokenize_prompts(None, [[5]])[0].text == ""
+        asyncio.run(tokenize_prompts(None, ["Hello"]))
+    assert asyncio.run(tokenize_prompts(None, [[5]]))[0].text == ""
 
 
 def test_completion_generate_input():
@@ -207,6 +232,7 @@ def test_chat_response_shape_with_logprobs():
     c0, c1 = resp["choices"]
     assert c0["message"] == {"role": "assistant", "content": "Hi!"} and c0["finish_reason"] == "stop"
     assert c1["index"] == 1 and c1["finish_reason"] == "length"
+    assert (c0["matched_stop"], c1["matched_stop"]) == (2, None)  # SGLang's: the EOS id; none on length
     first = c0["logprobs"]["content"][0]
     assert first["token"] == "Hi" and first["logprob"] == -0.25 and first["bytes"] == [72, 105]
     assert [t["token"] for t in first["top_logprobs"]] == ["Hi", "Yo"]
@@ -224,12 +250,15 @@ def test_chat_stream_chunks():
     chunks += conv.end()
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" and c["model"] == MODEL
                and isinstance(c["created"], int) for c in chunks)
-    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
-    for i, text, reason in ((0, "Hey", "length"), (1, "Yo", "stop")):
+    # SGLang's deltas: role and content when set, reasoning_content always (null).
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": "", "reasoning_content": None}] * 2
+    for i, text, reason, matched in ((0, "Hey", "length", None), (1, "Yo", "stop", 2)):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert "".join(ch["delta"].get("content", "") for ch in mine) == text
         assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == [reason]
-        assert mine[-1]["delta"] == {}
+        assert mine[-1]["delta"] == {"reasoning_content": None} and mine[-1]["matched_stop"] == matched
+        assert all(ch["matched_stop"] is None for ch in mine[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 8
     assert all(c["usage"] is None for c in chunks[:-1])
 
@@ -258,8 +287,10 @@ def test_completion_stream_chunks():
     chunks = conv.on_output(0, {"text": "a", "output_ids": [5], "meta_info": _meta(1, 1)})
     chunks += conv.on_output(0, {"text": "b", "output_ids": [6], "meta_info": _meta(1, 2, {"type": "stop", "matched": 6})})
     chunks += conv.end()
-    assert [c["choices"][0]["text"] for c in chunks] == ["Pa", "b", ""]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
+    # As SGLang: the finish rides on the last output's chunk, with its matched stop.
+    assert [c["choices"][0]["text"] for c in chunks] == ["Pa", "b"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
+    assert [c["choices"][0]["matched_stop"] for c in chunks] == [None, 6]
     assert all("usage" not in c and c["object"] == "text_completion" for c in chunks)
 
 
@@ -273,10 +304,11 @@ class FakeTM:
 
     def __init__(self, tokenizer, context_len=64):
         self.tokenizer, self.context_len, self.vocab_size = tokenizer, context_len, 1536
+        self.text_encoder = TextEncoder(tokenizer)
         self.server_args = _args()
         self.requests = []
 
-    def generate_request(self, obj, incremental=False):
+    async def generate_request(self, obj, incremental=False):
         obj.validate_shape()
         self.requests.append(obj)
         items = [obj.item(i) for i in range(obj.batch_size)] if obj.is_batch else [obj]
@@ -365,6 +397,11 @@ def test_fake_completions_batch_echo_stream(fake_app):
     assert "".join(c.choices[0].text for c in chunks) == "A0bc"
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs) == 3
+    # SGLang's test_completion_stream: with logprobs asked for, every chunk carries them.
+    for echo in (False, True):
+        chunks = list(client.completions.create(model=MODEL, prompt="Hello", stream=True, logprobs=2, echo=echo))
+        assert all(c.choices[0].logprobs and c.choices[0].logprobs.tokens for c in chunks)
+        assert all(len(c.choices[0].logprobs.top_logprobs[-1]) == 2 for c in chunks)
 
 
 def test_fake_errors(fake_app):
@@ -374,18 +411,23 @@ def test_fake_errors(fake_app):
     cases = [
         ({**body, "temperature": -1}, "temperature"),
         ({**body, "temperature": "hot"}, "temperature"),
-        ({**body, "model": "gpt-4"}, "model"),
         ({**body, "logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({**body, "max_tokens": 10_000}, "max_tokens"),
-        ({**body, "messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
         ({"model": MODEL}, "messages"),
         ({**body, "messages": [{"content": "x"}]}, "messages.0.role"),
+        ({**body, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ]
-    for payload, param in cases:
+    # SGLang's wording for budgets, which names no field.
+    worded = [({**body, "max_tokens": 10_000}, "max_tokens", "Requested token count exceeds"),
+              ({**body, "messages": [{"role": "user", "content": "x" * 400}]}, "messages", "is longer than")]
+    for payload, param, text in [(p, q, q.split(".")[0]) for p, q in cases] + worded:
         r = http.post("/v1/chat/completions", json=payload)
         assert r.status_code == 400, (payload, r.text)
         err = r.json()
-        assert err["object"] == "error" and err["param"] == param and param.split(".")[0] in err["message"]
+        assert err["object"] == "error" and err["param"] == param and text in err["message"]
+        assert err["code"] == 400
+    # Any model name is served, as in SGLang; the response echoes it.
+    r = http.post("/v1/chat/completions", json={**body, "model": "default"})
+    assert r.status_code == 200 and r.json()["model"] == "default"
     r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 99999]})
@@ -410,6 +452,28 @@ def test_fake_models_and_tokenize(fake_app):
     assert http.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()["tokens"][0] != 1
     assert http.post("/detokenize", json={"tokens": [600, 922]}).json() == {"text": tm.tokenizer.decode([600, 922])}
     assert http.post("/detokenize", json={"tokens": [99999]}).status_code == 400
+
+
+def test_fake_tokenize_and_detokenize_as_sglang(fake_app):
+    """SGLang's shapes: `prompt` lists, `add_special_tokens`, `skip_special_tokens`, /v1/ aliases."""
+    app, tm = fake_app
+    http, tok = TestClient(app), tm.tokenizer
+    for route in ("/tokenize", "/v1/tokenize"):
+        r = http.post(route, json={"prompt": ["Hello", "a b"]}).json()
+        assert r == {"tokens": [tok.encode("Hello"), tok.encode("a b")],
+                     "count": [len(tok.encode("Hello")), len(tok.encode("a b"))], "max_model_len": 64}
+        r = http.post(route, json={"prompt": "Hello", "add_special_tokens": False}).json()
+        assert r["tokens"] == tok.encode("Hello", add_special_tokens=False) and r["tokens"][0] != tok.bos_token_id
+        assert http.post(route, json={}).status_code == 400
+    ids = tok.encode("Hello")
+    assert ids[0] == tok.bos_token_id
+    for route in ("/detokenize", "/v1/detokenize"):
+        assert http.post(route, json={"tokens": ids}).json() == {"text": "Hello"}
+        assert http.post(route, json={"tokens": ids, "skip_special_tokens": False}).json() == {
+            "text": tok.decode(ids, skip_special_tokens=False)}
+        assert tok.bos_token in tok.decode(ids, skip_special_tokens=False)
+        assert http.post(route, json={"tokens": [ids, ids[1:]]}).json() == {"text": ["Hello", "Hello"]}
+        assert http.post(route, json={"tokens": []}).json() == {"text": ""}
 
 
 def test_api_key_middleware(tokenizer):

@@ -37,7 +37,7 @@ def test_defaults_and_coercions():
     ({"sampling_seed": "x"}, "sampling_seed"),
     ({"n": 0}, "n"),
     ({"frequency_penalty": 3.0}, "frequency_penalty"),
-    ({"logit_bias": {}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
 ])
 def test_invalid_values_name_the_field(params, field):
     with pytest.raises(ValueError, match=f"sampling_params.{field}"):
@@ -64,7 +64,7 @@ def test_stop_token_ids_checked_against_vocab():
     ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
     ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
-    ({"text": "a", "wat": 1}, "wat"),
+    ({"text": "a", "lora_path": "adapter"}, "lora_path"),
 ])
 def test_generate_request_shape_errors(body, field):
     with pytest.raises(ValueError, match=field.replace("/", ".")):

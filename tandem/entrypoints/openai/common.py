@@ -1,4 +1,4 @@
-"""Helpers shared by the chat and completions handlers: model check, sampling params,
+"""Helpers shared by the chat and completions handlers: sampling params,
 token budgets, opening and merging the tokenizer manager's output streams, usage,
 finish reasons, logprob entries and SSE framing."""
 
@@ -33,19 +33,12 @@ def served_model_names(server_args) -> set[str]:
     return {n for n in (server_args.served_model_name, server_args.model_path) if n}
 
 
-def check_model(model: str, server_args) -> None:
-    """400 `model_not_found` unless `model` is the served name (or the model path)."""
-    if model not in served_model_names(server_args):
-        raise OpenAIError(f"model: the model {model!r} does not exist; this server serves "
-                          f"{server_args.served_model_name!r}", 400, param="model", code="model_not_found")
-
-
 def reject_unsupported(req: _SamplingFields) -> None:
     """400 naming the first field whose feature is not implemented, if set to a non-neutral value."""
     bad = req.unsupported_fields()
     if bad:
         raise OpenAIError(f"{bad[0]}: not supported yet (only the neutral/default value is accepted)",
-                          400, param=bad[0], code="unsupported_parameter")
+                          400, param=bad[0])
 
 
 def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
@@ -76,17 +69,21 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
     """The number of tokens to generate.
 
     An explicit `requested` that does not fit the context beside the prompt is a 400; the
-    default (None: "up to the context") is capped to what fits.
+    default (None: "up to the context") is capped to what fits. The messages are SGLang's
+    (clients and SGLang's tests match on them).
     """
     room = context_len - prompt_len
     if room <= 0:
-        raise OpenAIError(f"{prompt_param}: the prompt has {prompt_len} tokens, the context length is "
-                          f"{context_len}; it must be shorter", 400, param=prompt_param)
+        raise OpenAIError(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                          f"({context_len} tokens).", 400, param=prompt_param)
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise OpenAIError(f"{param}: {requested} tokens requested but the prompt has {prompt_len} tokens and the "
-                          f"context length is {context_len}; at most {room} can be generated", 400, param=param)
+        raise OpenAIError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+            f"You requested a total of {prompt_len + requested} tokens: {prompt_len} tokens from the input "
+            f"messages and {requested} tokens for the completion. Please reduce the number of tokens in the "
+            f"input messages or the completion to fit within the limit.", 400, param=param)
     return requested
 
 
@@ -96,6 +93,13 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     if fr is None:
         return None
     return fr.get("type", "stop") if isinstance(fr, dict) else str(fr)
+
+
+def matched_stop(meta: dict[str, Any]) -> int | str | None:
+    """SGLang's `matched_stop`: the stop string or token id (EOS included) that finished the
+    output; None while running and for length or abort finishes."""
+    fr = meta.get("finish_reason")
+    return fr.get("matched") if isinstance(fr, dict) else None
 
 
 def usage_of(metas: list[dict[str, Any]], n: int) -> UsageInfo:
@@ -125,12 +129,12 @@ def token_text(entry: list | tuple, tokenizer) -> str:
 # ---- output streams ----------------------------------------------------------------
 
 
-def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]]]:
+async def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str, Any]]]:
     """Send `obj`; one stream per (prompt, sample). Streamed chunks hold only what is new.
 
     Raises ValueError (a client error) before anything is sent.
     """
-    return tm.generate_request(obj, incremental=True)
+    return await tm.generate_request(obj, incremental=True)
 
 
 async def admitted_streams(request, streams: list[AsyncIterator[dict[str, Any]]]
@@ -139,14 +143,14 @@ async def admitted_streams(request, streams: list[AsyncIterator[dict[str, Any]]]
     try:
         return await _admitted_streams(request, streams)
     except Refused as e:
-        raise OpenAIError(e.message, e.status, code="service_unavailable") from e
+        raise OpenAIError(e.message, e.status) from e
 
 
 def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
     """OpenAIError (503) when the scheduler refused any of these requests outright."""
     refused = refusal(outputs)
     if refused is not None:
-        raise OpenAIError(refused[0], refused[1], code="service_unavailable")
+        raise OpenAIError(refused[0], refused[1])
 
 
 def error_event(message: str, status: int = 500) -> bytes:

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.entrypoints.json_body import InvalidBody
+
 # SGLang/native field names (as they appear in tokenizer-manager errors) -> OpenAI names.
 _NATIVE_TO_OPENAI = {
     "max_new_tokens": "max_tokens",
@@ -32,20 +34,18 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|lax-or
 
 
 class OpenAIError(Exception):
-    """An error to return to the client in OpenAI's shape."""
+    """An error to return to the client in OpenAI's shape; `code` is the HTTP status, as in SGLang."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type_: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
-        self.code = code
         self.type = type_ or _default_type(status)
 
     def to_dict(self) -> dict[str, Any]:
         return {"object": "error", "message": self.message, "type": self.type,
-                "param": self.param, "code": self.code}
+                "param": self.param, "code": self.status}
 
     def response(self) -> Response:
         return json_response(self.to_dict(), self.status)
@@ -102,6 +102,8 @@ def _union_param(loc: tuple[Any, ...]) -> str | None:
 
 def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     """A 400 for the first pydantic error, naming the field in `message` and `param`."""
+    if isinstance(exc.__cause__, InvalidBody):  # the body is not acceptable JSON (json_body.py)
+        return OpenAIError(exc.__cause__.message, 400, param=exc.__cause__.field)
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request", 400)
@@ -132,8 +134,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: no such route"
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
-        code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
-        return OpenAIError(message, exc.status_code, code=code).response()
+        return OpenAIError(message, exc.status_code).response()
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> Response:

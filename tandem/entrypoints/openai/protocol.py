@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
+
+from tandem.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_N
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
-MAX_N = 128
 
 
 class StreamOptions(BaseModel):
@@ -25,16 +26,21 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests.
 
-    model_config = ConfigDict(extra="ignore")
+    Numbers are range-checked here where OpenAI documents a range, and again (with the
+    engine's limits: 64-bit integers, the vocabulary) by the sampling parameters. NaN and
+    infinities are refused.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # SGLang extras.
@@ -45,9 +51,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # SGLang/vLLM extra
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # SGLang/vLLM extra
     min_tokens: StrictInt | None = None  # vLLM/SGLang extra: SGLang's min_new_tokens
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
@@ -68,11 +74,24 @@ class ChatContentPart(BaseModel):
     text: str | None = None
 
 
+# Message roles SGLang accepts (case-insensitive); any other role is a 400.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, role: Any) -> str:
+        if not isinstance(role, str):
+            raise ValueError("'role' must be a string")
+        if role.lower() not in CHAT_ROLES:
+            raise ValueError(f"'role' must be one of {', '.join(repr(r) for r in CHAT_ROLES)} (case-insensitive).")
+        return role.lower()
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -112,17 +131,23 @@ class CompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    """SGLang's /tokenize body: `prompt`, a string or a list of strings (`text` is Tandem's
+    older name for it)."""
+
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    text: str | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None
+    text: str | list[str] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
+    """SGLang's /detokenize body: a list of ids, or a list of such lists."""
+
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[TokenId] | list[list[TokenId]]
+    skip_special_tokens: bool = True
 
 
 # ---- responses ---------------------------------------------------------------------
@@ -163,6 +188,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's extra: the stop string or token id that ended the choice (None otherwise).
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -176,14 +203,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """A streamed message delta; fields left unset are omitted (OpenAI sends `{}` last)."""
+    """A streamed message delta, as SGLang sends it: `role` and `content` only when set,
+    `reasoning_content` always (null here: no reasoning parser), so that clients reading
+    `delta.reasoning_content` find it."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {**out, "reasoning_content": self.reasoning_content}
 
 
 class ChatStreamChoice(BaseModel):
@@ -191,6 +222,8 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's extra: the stop string or token id that ended the choice (None otherwise).
+    matched_stop: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -214,6 +247,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # SGLang's extra: the stop string or token id that ended the choice (None otherwise).
+    matched_stop: int | str | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -1,7 +1,7 @@
 """Mounts the OpenAI-compatible API on the FastAPI app, plus the `--api-key` middleware.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /v1/models/{id}, POST /tokenize, POST /detokenize. Errors use OpenAI's shape
+GET /v1/models/{id}, POST /tokenize and /detokenize (also under /v1/). Errors use OpenAI's shape
 (see `errors.py`), for these routes and for unknown routes (404).
 """
 
@@ -57,27 +57,29 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
     async def model(model_id: str) -> Response:
         return json_response(serving_models.retrieve_model(model_id, server_args, tm.context_len).model_dump())
 
+    @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        return json_response(serving_models.tokenize(req, tm.tokenizer, tm.context_len))
+        return json_response(await serving_models.tokenize(req, tm.text_encoder, tm.context_len))
 
+    @app.post("/v1/detokenize")
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
-        return json_response(serving_models.detokenize(req, tm.tokenizer, getattr(tm, "vocab_size", None)))
+        return json_response(await serving_models.detokenize(req, tm.text_encoder, getattr(tm, "vocab_size", None)))
 
 
 def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:
-    """With `api_key`, require `Authorization: Bearer <api_key>` on every route but OPEN_PATHS."""
+    """With `api_key`, require `Authorization: Bearer <api_key>` on every route but OPEN_PATHS
+    (the scheme is case-insensitive, as HTTP says)."""
     if not api_key:
         return
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
             return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            return OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                               code="invalid_api_key").response()
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
+            return OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401).response()
         return await call_next(request)

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.openai.common import (
-    admitted_streams, raise_if_refused, SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
+    admitted_streams, raise_if_refused, SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
     open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
@@ -28,6 +28,7 @@ from tandem.entrypoints.openai.protocol import (
     ChatMessage, ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
 )
 from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
 _PROMPT_FIELD = {"text/input_ids": "messages", "input_ids": "messages", "text": "messages"}
@@ -68,11 +69,15 @@ def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: st
                           "--chat-template", 400, param="messages") from e
 
 
-def encode_chat_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt; no second BOS when the template already wrote one."""
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (bos and text.startswith(bos))
-    return tokenizer.encode(text, add_special_tokens=add_special)
+async def encode_chat_prompt(encoder: TextEncoder, text: str, max_tokens: int | None = None) -> list[int]:
+    """Token ids of a rendered prompt, as `apply_chat_template(tokenize=True)` (and SGLang)
+    makes them: the template writes every special token it wants (BOS included), so the
+    tokenizer adds none. Tokenized on the encoder's thread; refused, by its length, when
+    it cannot fit `max_tokens`."""
+    try:
+        return await encoder.encode(text, "messages", add_special_tokens=False, max_tokens=max_tokens)
+    except ValueError as e:
+        raise from_value_error(e) from e
 
 
 def check_logprob_args(req: ChatCompletionRequest) -> None:
@@ -123,6 +128,7 @@ def build_chat_response(req_id: str, model: str, outputs: list[dict[str, Any]], 
             message=ChatMessageOut(content=out.get("text") or ""),
             logprobs=chat_logprobs(meta, tokenizer) if with_logprobs else None,
             finish_reason=finish_reason(meta),
+            matched_stop=matched_stop(meta),
         ))
     usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
     return ChatCompletionResponse(id=req_id, model=model, choices=choices, usage=usage,
@@ -170,7 +176,8 @@ class ChatStreamConverter:
         reason = finish_reason(meta)
         if reason is not None:
             self.finished[index] = True
-            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason)))
+            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason,
+                                                       matched_stop=matched_stop(meta))))
         return chunks
 
     def end(self) -> list[dict[str, Any]]:
@@ -189,27 +196,26 @@ class ChatServing:
     def __init__(self, tm, server_args, chat_template: str | None = None):
         self.tm, self.server_args, self.chat_template = tm, server_args, chat_template
 
-    def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    async def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
-        check_model(req.model, self.server_args)
         reject_unsupported(req)
         check_logprob_args(req)
         tokenizer = self.tm.tokenizer
         text = render_chat_prompt(tokenizer, req.messages, self.chat_template)
-        input_ids = encode_chat_prompt(tokenizer, text)
+        input_ids = await encode_chat_prompt(self.tm.text_encoder, text, self.tm.context_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = resolve_max_tokens(requested, len(input_ids), self.tm.context_len, None, param, "messages")
         return build_chat_generate_input(req, input_ids, max_new)
 
     async def handle(self, request: Request, req: ChatCompletionRequest) -> Response:
-        obj = self.prepare(req)
+        obj = await self.prepare(req)
         try:
-            streams = open_streams(self.tm, obj)
+            streams = await open_streams(self.tm, obj)
         except ValueError as e:
             raise from_value_error(e, _PROMPT_FIELD) from e
         req_id, n = random_id("chatcmpl"), req.n or 1
-        model = self.server_args.served_model_name
+        model = req.model  # any name is served, as in SGLang
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,

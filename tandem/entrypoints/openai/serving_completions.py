@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.openai.common import (
-    admitted_streams, raise_if_refused, SSE_DONE, check_model, clamp_logprob, error_event, finish_reason,
+    admitted_streams, raise_if_refused, SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
     open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
@@ -28,6 +28,7 @@ from tandem.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
 )
 from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16
@@ -56,16 +57,21 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def tokenize_prompts(tokenizer, prompts: list[str | list[int]], vocab_size: int | None = None) -> list[Prompt]:
-    """Tokenize string prompts (ids pass through, checked against the vocabulary); decode
-    id prompts for `echo`."""
+async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list[int]],
+                           vocab_size: int | None = None, max_tokens: int | None = None) -> list[Prompt]:
+    """Tokenize string prompts on the encoder's thread (refusing, by its length, one that
+    cannot fit `max_tokens`); ids pass through, checked against the vocabulary, and are
+    decoded for `echo`. No encoder: the server runs without a tokenizer."""
     out = []
     for p in prompts:
         if isinstance(p, str):
-            if tokenizer is None:
+            if encoder is None:
                 raise OpenAIError("prompt: this server runs without a tokenizer (--skip-tokenizer-init); "
                                   "send token ids", 400, param="prompt")
-            ids = tokenizer.encode(p)
+            try:
+                ids = await encoder.encode(p, "prompt", max_tokens=max_tokens)
+            except ValueError as e:
+                raise from_value_error(e) from e
             if not ids:
                 raise OpenAIError("prompt: the prompt tokenizes to no tokens", 400, param="prompt")
             out.append(Prompt(ids, p))
@@ -74,7 +80,7 @@ def tokenize_prompts(tokenizer, prompts: list[str | list[int]], vocab_size: int 
             if bad:
                 raise OpenAIError(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
                                   400, param="prompt")
-            out.append(Prompt(list(p), tokenizer.decode(p) if tokenizer is not None else ""))
+            out.append(Prompt(list(p), await encoder.decode(p) if encoder is not None else ""))
     return out
 
 
@@ -142,14 +148,15 @@ def build_completion_response(req_id: str, model: str, outputs: list[dict[str, A
         prefix = prompts[i // n].text if echo else ""
         logprobs = completion_logprobs(meta, tokenizer, 0, echo) if with_logprobs else None
         choices.append(CompletionChoice(index=i, text=prefix + (out.get("text") or ""), logprobs=logprobs,
-                                        finish_reason=finish_reason(meta)))
+                                        finish_reason=finish_reason(meta), matched_stop=matched_stop(meta)))
     usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
     return CompletionResponse(id=req_id, model=model, choices=choices, usage=usage, created=created or int(time.time()))
 
 
 class CompletionStreamConverter:
-    """Turns incremental outputs into `text_completion` chunks: text chunks, exactly one
-    finish chunk per choice, then (with `include_usage`) a usage chunk without choices."""
+    """Turns incremental outputs into `text_completion` chunks: one per output that has
+    text, logprobs or the finish (exactly one chunk per choice carries its finish_reason),
+    then (with `include_usage`) a usage chunk without choices."""
 
     def __init__(self, req_id: str, model: str, prompts: list[Prompt], n: int, echo: bool, with_logprobs: bool,
                  include_usage: bool, tokenizer=None, created: int | None = None):
@@ -181,14 +188,13 @@ class CompletionStreamConverter:
         if self.with_logprobs:
             logprobs = completion_logprobs(meta, self.tokenizer, self.offsets[index], self.echo and first)
         self.offsets[index] += len(text)
-        chunks = []
-        if text or (logprobs and logprobs.tokens):
-            chunks.append(self._chunk(CompletionChoice(index=index, text=text, logprobs=logprobs)))
         reason = finish_reason(meta)
-        if reason is not None:
-            self.finished[index] = True
-            chunks.append(self._chunk(CompletionChoice(index=index, text="", finish_reason=reason)))
-        return chunks
+        self.finished[index] = reason is not None
+        if not (text or (logprobs and logprobs.tokens) or reason):
+            return []
+        # As SGLang: the finish rides on the output's own chunk, with its text and logprobs.
+        return [self._chunk(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
+                                             matched_stop=matched_stop(meta)))]
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -205,21 +211,21 @@ class CompletionServing:
     def __init__(self, tm, server_args):
         self.tm, self.server_args = tm, server_args
 
-    def prepare(self, req: CompletionRequest) -> tuple[GenerateReqInput, list[Prompt]]:
+    async def prepare(self, req: CompletionRequest) -> tuple[GenerateReqInput, list[Prompt]]:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
-        check_model(req.model, self.server_args)
         reject_unsupported(req)
-        prompts = tokenize_prompts(self.tm.tokenizer, split_prompts(req.prompt), getattr(self.tm, "vocab_size", None))
+        prompts = await tokenize_prompts(self.tm.text_encoder, split_prompts(req.prompt),
+                                         getattr(self.tm, "vocab_size", None), self.tm.context_len - 1)
         return build_completion_generate_input(req, prompts, self.tm.context_len), prompts
 
     async def handle(self, request: Request, req: CompletionRequest) -> Response:
-        obj, prompts = self.prepare(req)
+        obj, prompts = await self.prepare(req)
         try:
-            streams = open_streams(self.tm, obj)
+            streams = await open_streams(self.tm, obj)
         except ValueError as e:
             raise from_value_error(e, _PROMPT_FIELD) from e
         req_id, n = random_id("cmpl"), req.n or 1
-        model = self.server_args.served_model_name
+        model = req.model  # any name is served, as in SGLang
         with_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

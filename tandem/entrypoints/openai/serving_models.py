@@ -4,8 +4,9 @@ POST /detokenize."""
 from __future__ import annotations
 
 from tandem.entrypoints.openai.common import served_model_names
-from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
 from tandem.entrypoints.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from tandem.managers.text_encoder import TextEncoder
 
 
 def model_card(server_args, context_len: int | None) -> ModelCard:
@@ -19,31 +20,43 @@ def list_models(server_args, context_len: int | None) -> ModelList:
 def retrieve_model(model_id: str, server_args, context_len: int | None) -> ModelCard:
     """The served model's card; 404 `model_not_found` for any other id."""
     if model_id not in served_model_names(server_args):
-        raise OpenAIError(f"model: the model {model_id!r} does not exist", 404, param="model", code="model_not_found")
+        raise OpenAIError(f"model: the model {model_id!r} does not exist", 404, param="model")
     return model_card(server_args, context_len)
 
 
-def _require_tokenizer(tokenizer, param: str) -> None:
-    if tokenizer is None:
+def _require_tokenizer(encoder: TextEncoder | None, param: str) -> None:
+    if encoder is None:
         raise OpenAIError(f"{param}: this server runs without a tokenizer (--skip-tokenizer-init)", 400, param=param)
 
 
-def tokenize(req: TokenizeRequest, tokenizer, context_len: int) -> dict:
-    """{"tokens", "count", "max_model_len"} for `text` (or `prompt`)."""
+async def tokenize(req: TokenizeRequest, encoder: TextEncoder | None, context_len: int) -> dict:
+    """SGLang's {"tokens", "count", "max_model_len"} for `prompt` (or Tandem's alias `text`):
+    one list and count for a string, a list of each for a list of strings."""
     if (req.text is None) == (req.prompt is None):
-        raise OpenAIError("text: exactly one of text and prompt must be given", 400, param="text")
-    _require_tokenizer(tokenizer, "text")
-    ids = tokenizer.encode(req.text if req.text is not None else req.prompt,
-                           add_special_tokens=req.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": context_len}
+        raise OpenAIError("prompt: exactly one of prompt and text must be given", 400, param="prompt")
+    _require_tokenizer(encoder, "prompt")
+    field = "text" if req.text is not None else "prompt"
+    prompt = req.text if req.text is not None else req.prompt
+    try:
+        batch = [await encoder.encode(p, field, add_special_tokens=req.add_special_tokens)
+                 for p in ([prompt] if isinstance(prompt, str) else prompt)]
+    except ValueError as e:
+        raise from_value_error(e) from e
+    if isinstance(prompt, str):
+        return {"tokens": batch[0], "count": len(batch[0]), "max_model_len": context_len}
+    return {"tokens": batch, "count": [len(ids) for ids in batch], "max_model_len": context_len}
 
 
-def detokenize(req: DetokenizeRequest, tokenizer, vocab_size: int | None) -> dict:
-    """{"text"} for the token ids `tokens`."""
-    _require_tokenizer(tokenizer, "tokens")
+async def detokenize(req: DetokenizeRequest, encoder: TextEncoder | None, vocab_size: int | None) -> dict:
+    """{"text"} for the token ids `tokens` (a list of texts for a list of id lists), without
+    special tokens unless `skip_special_tokens` is false."""
+    _require_tokenizer(encoder, "tokens")
+    is_batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    batch = req.tokens if is_batch else [req.tokens]
     if vocab_size is not None:
-        bad = [t for t in req.tokens if t >= vocab_size]
+        bad = [t for ids in batch for t in ids if t >= vocab_size]
         if bad:
             raise OpenAIError(f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
                               400, param="tokens")
-    return {"text": tokenizer.decode(req.tokens)}
+    texts = [await encoder.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in batch]
+    return {"text": texts if is_batch else texts[0]}

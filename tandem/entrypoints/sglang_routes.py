@@ -1,0 +1,177 @@
+"""SGLang's native control and information routes, for the clients that call them.
+
+Routes: GET /model_info (alias /get_model_info), GET /server_info (alias
+/get_server_info), GET|POST /flush_cache, GET /ping, GET /v1/loads, GET|POST
+/start_profile and /stop_profile. Shapes follow SGLang 0.5.23 where Tandem has the
+feature; docs/api.md lists what differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response
+
+import tandem
+from tandem.managers.io_struct import ProfileReq
+from tandem.model_executor.model_loader import load_config
+
+# How often /flush_cache?timeout=T retries while requests still run.
+FLUSH_RETRY_S = 0.1
+# Fields of SGLang's ProfileReq that /start_profile honours; the others are ignored.
+_PROFILE_FIELDS = ("output_dir", "num_steps", "activities", "with_stack", "record_shapes",
+                   "profile_id", "profile_prefix")
+
+
+def model_info(server_args, hf_config) -> dict[str, Any]:
+    """SGLang's /model_info keys; the features Tandem lacks report their 'off' value."""
+    return {
+        "model_path": server_args.model_path,
+        "served_model_name": server_args.served_model_name,
+        "tokenizer_path": server_args.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": server_args.load_format,
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": getattr(hf_config, "model_type", None),
+        "architectures": getattr(hf_config, "architectures", None),
+    }
+
+
+def _loads(state, max_running_requests: int) -> dict[str, Any]:
+    """One /v1/loads entry (SGLang's core keys and queue section) from the scheduler's counts."""
+    used = state.max_total_num_tokens - state.free_kv_slots - state.evictable_cached_slots
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": state.num_running_reqs,
+        "num_waiting_reqs": state.num_waiting_reqs,
+        "num_used_tokens": used,
+        "max_total_num_tokens": state.max_total_num_tokens,
+        "max_running_requests": max_running_requests,
+        "token_usage": round(used / state.max_total_num_tokens, 4) if state.max_total_num_tokens else 0.0,
+        "queues": {"waiting": state.num_waiting_reqs},
+    }
+
+
+async def _profile_body(request: Request) -> dict[str, Any]:
+    """The optional JSON body of /start_profile (GET sends none); ValueError if malformed."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"request body: invalid JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError("request body: must be a JSON object")
+    return body
+
+
+def _profile_req(body: dict[str, Any]) -> ProfileReq:
+    fields = {k: body.get(k) for k in _PROFILE_FIELDS}
+    num_steps = fields["num_steps"]
+    if isinstance(num_steps, str) and num_steps.isdigit():  # SGLang's bench_serving sends a string
+        fields["num_steps"] = int(num_steps)
+    if fields["num_steps"] is not None and (isinstance(fields["num_steps"], bool)
+                                            or not isinstance(fields["num_steps"], int)):
+        raise ValueError("num_steps: must be an integer")
+    if fields["activities"] is not None and (not isinstance(fields["activities"], list)
+                                             or not all(isinstance(a, str) for a in fields["activities"])):
+        raise ValueError("activities: must be a list of strings")
+    for name in ("output_dir", "profile_id", "profile_prefix"):
+        if fields[name] is not None and not isinstance(fields[name], str):
+            raise ValueError(f"{name}: must be a string")
+    return ProfileReq(request_id="", action="start", **fields)
+
+
+def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
+    """Add SGLang's information and control routes to `app`."""
+    # NOTE: imported here because http_server imports this module to mount the routes.
+    from tandem.entrypoints.http_server import error_response, json_response
+
+    info = model_info(server_args, load_config(server_args.model_path))
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info_route() -> Response:
+        return json_response(info)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        """Resolved arguments, capacities, the scheduler's live counts (also under
+        `internal_states`, one entry per data-parallel rank) and `version`."""
+        try:
+            return json_response(await tm.server_info())
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> Response:
+        """Empty the prefix cache; 400 with the reason while requests run or wait
+        (with `timeout`, retry until they are done or `timeout` seconds pass)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                result = await tm.flush_cache()
+            except asyncio.TimeoutError:
+                return error_response("the scheduler did not answer", 503)
+            if result.success or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(FLUSH_RETRY_S)
+        if not result.success:
+            return error_response(f"cache not flushed: {result.message}", 400)
+        return json_response({"success": True})
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        """SageMaker's health check: 200 while the server runs."""
+        return Response(status_code=200)
+
+    @app.get("/v1/loads")
+    async def loads() -> Response:
+        try:
+            state = await tm.get_server_state()
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
+        return json_response({
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": tandem.__version__,
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [_loads(state, tm.scheduler_info["max_running_requests"])],
+        })
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request) -> Response:
+        """Start the torch profiler in the scheduler; the trace is written by /stop_profile
+        (or after `num_steps` forward steps) into `output_dir`."""
+        try:
+            req = _profile_req(await _profile_body(request))
+        except ValueError as e:
+            return error_response(str(e))
+        return await _profile_call(req, "Start profiling.\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        return await _profile_call(ProfileReq(request_id="", action="stop"),
+                                   "Stop profiling. This will take some time.\n")
+
+    async def _profile_call(req: ProfileReq, ok_text: str) -> Response:
+        try:
+            result = await tm.profile(req)
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
+        if not result.success:
+            return error_response(result.message, 400)
+        return Response(content=ok_text, status_code=200, media_type="text/plain")

@@ -1,0 +1,151 @@
+"""SGLang's everyday server flags that Tandem accepts so that SGLang command lines run.
+
+Each flag is a `ServerArgs` field (its default lives there). Three kinds:
+- the flags whose feature exists work (`--tp-size 1`, `--load-format dummy`, ...): they
+  are listed here with the values Tandem can honour;
+- NO_EFFECT flags tune something this build does not have (CUDA graphs, torch.compile,
+  the overlap loop, ...): a value other than the default is accepted and logged once;
+- NOT_BUILT flags ask for a feature Tandem lacks (LoRA, speculative decoding,
+  parallelism > 1, ...): a value other than the neutral one stops the start with one
+  line naming the flag.
+docs/api.md lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One SGLang flag: its names, how argparse reads it, and what Tandem does with it."""
+
+    dest: str
+    names: tuple[str, ...]
+    reason: str
+    # Values Tandem honours; anything else is logged (no_effect) or refused (not built).
+    ok: Callable[[Any], bool]
+    no_effect: bool = False
+    parse: dict[str, Any] = field(default_factory=dict)
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+_OFF = _is(None, False)
+_INT = {"type": int}
+_FLAG = {"action": "store_true"}
+
+COMPAT_FLAGS: tuple[CompatFlag, ...] = (
+    # Features that exist, in the form that exists.
+    CompatFlag("tp_size", ("--tp-size", "--tp", "--tensor-parallel-size"),
+               "tensor parallelism is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("dp_size", ("--dp-size", "--dp", "--data-parallel-size"),
+               "data parallelism is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("pp_size", ("--pp-size", "--pipeline-parallel-size"),
+               "pipeline parallelism is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("ep_size", ("--ep-size", "--expert-parallel-size"),
+               "expert parallelism is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("nnodes", ("--nnodes",), "multi-node serving is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("tokenizer_worker_num", ("--tokenizer-worker-num",),
+               "several tokenizer workers are not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("load_format", ("--load-format",),
+               "only auto, safetensors and dummy are built", _is("auto", "safetensors", "dummy")),
+    CompatFlag("page_size", ("--page-size",), "paged KV memory is not built yet (only page size 1)",
+               _is(None, 1), parse=_INT),
+    CompatFlag("kv_cache_dtype", ("--kv-cache-dtype",),
+               "a KV cache dtype other than the model's is not built yet (only auto)", _is("auto")),
+    CompatFlag("attention_backend", ("--attention-backend",),
+               "only the torch_native attention backend is built", _is(None, "torch_native")),
+    # Features Tandem does not have.
+    CompatFlag("quantization", ("--quantization",), "quantization is not built yet", _OFF),
+    CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
+    CompatFlag("enable_lora", ("--enable-lora",), "LoRA adapters are not built yet", _OFF, parse=_FLAG),
+    CompatFlag("speculative_algorithm", ("--speculative-algorithm",),
+               "speculative decoding is not built yet", _OFF),
+    CompatFlag("speculative_draft_model_path", ("--speculative-draft-model-path",),
+               "speculative decoding is not built yet", _OFF),
+    CompatFlag("enable_dp_attention", ("--enable-dp-attention",), "DP attention is not built yet", _OFF,
+               parse=_FLAG),
+    CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
+    CompatFlag("reasoning_parser", ("--reasoning-parser",), "reasoning parsers are not built yet", _OFF),
+    CompatFlag("tool_call_parser", ("--tool-call-parser",), "tool-call parsers are not built yet", _OFF),
+    # Accepted, with no effect in this build.
+    CompatFlag("trust_remote_code", ("--trust-remote-code",),
+               "Tandem runs no code from the model directory", _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("revision", ("--revision",), "models load from a local directory (no model hub)", _OFF,
+               no_effect=True),
+    CompatFlag("tokenizer_mode", ("--tokenizer-mode",), "the fast tokenizer is always used", _is("auto"),
+               no_effect=True),
+    CompatFlag("disable_cuda_graph", ("--disable-cuda-graph",), "CUDA graphs are not built", _OFF,
+               no_effect=True, parse=_FLAG),
+    CompatFlag("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "CUDA graphs are not built", _OFF,
+               no_effect=True, parse=_INT),
+    CompatFlag("cuda_graph_bs", ("--cuda-graph-bs",), "CUDA graphs are not built", _OFF, no_effect=True,
+               parse={"type": int, "nargs": "+"}),
+    CompatFlag("enable_torch_compile", ("--enable-torch-compile",), "torch.compile is not built", _OFF,
+               no_effect=True, parse=_FLAG),
+    CompatFlag("torch_compile_max_bs", ("--torch-compile-max-bs",), "torch.compile is not built", _OFF,
+               no_effect=True, parse=_INT),
+    CompatFlag("disable_custom_all_reduce", ("--disable-custom-all-reduce",),
+               "there is no all-reduce with one process", _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("enable_p2p_check", ("--enable-p2p-check",), "there is no GPU peer access with one process",
+               _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("disable_overlap_schedule", ("--disable-overlap-schedule",),
+               "only the normal (non-overlap) scheduler loop exists", _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("base_gpu_id", ("--base-gpu-id",), "the device is chosen by --device", _is(0), no_effect=True,
+               parse=_INT),
+    CompatFlag("grammar_backend", ("--grammar-backend",), "structured output is not built yet",
+               _is(None, "none"), no_effect=True),
+    CompatFlag("sampling_backend", ("--sampling-backend",), "the sampler is plain PyTorch",
+               _is(None, "pytorch"), no_effect=True),
+    CompatFlag("log_requests", ("--log-requests",), "request logging is not built yet", _OFF,
+               no_effect=True, parse=_FLAG),
+    CompatFlag("enable_metrics", ("--enable-metrics",), "Prometheus metrics are not built yet", _OFF,
+               no_effect=True, parse=_FLAG),
+    CompatFlag("show_time_cost", ("--show-time-cost",), "time-cost marks are not built", _OFF,
+               no_effect=True, parse=_FLAG),
+    CompatFlag("decode_log_interval", ("--decode-log-interval",), "decode statistics are not logged",
+               _is(40), no_effect=True, parse=_INT),
+    CompatFlag("enable_cache_report", ("--enable-cache-report",),
+               "cached tokens are always in meta_info.cached_tokens; OpenAI usage does not report them yet",
+               _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("allow_auto_truncate", ("--allow-auto-truncate",),
+               "prompts longer than the context are refused with 400, not truncated", _OFF, no_effect=True,
+               parse=_FLAG),
+)
+
+
+def add_compat_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """Register every flag of COMPAT_FLAGS; `defaults` are ServerArgs' field defaults."""
+    group = parser.add_argument_group("SGLang compatibility", "SGLang's flags; see docs/api.md")
+    for flag in COMPAT_FLAGS:
+        kind = "no effect here" if flag.no_effect else "only the neutral value"
+        group.add_argument(*flag.names, dest=flag.dest, default=defaults[flag.dest],
+                           help=f"SGLang's flag ({kind}: {flag.reason}).", **flag.parse)
+
+
+def check_compat_flags(args: Any) -> list[str]:
+    """Raise ValueError naming the first flag that asks for a feature Tandem lacks; return
+    one line per accepted flag that has no effect here (for the log)."""
+    notes = []
+    for flag in COMPAT_FLAGS:
+        value = getattr(args, flag.dest)
+        if flag.ok(value):
+            continue
+        if not flag.no_effect:
+            raise ValueError(f"{flag.names[0]} {_show(value)}: {flag.reason}")
+        notes.append(f"{flag.names[0]} {_show(value)} has no effect here: {flag.reason}")
+    return notes
+
+
+def _show(value: Any) -> str:
+    if value is True:
+        return "(set)"
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)

@@ -1,0 +1,243 @@
+"""The second wall (DESIGN.md §9): an exception while handling one request's input or
+output ends that request with an error finish and leaves the component serving; its KV
+is released exactly once. A failing forward stays fatal. Each component runs in-process
+on real sockets; a request is poisoned with a value the HTTP boundary would refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+
+import pytest
+import zmq
+
+from tandem.managers.detokenizer_manager import DetokenizerManager
+from tandem.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizeParams,
+    GenerateReqInput,
+    TokenizedGenerateReqInput,
+)
+from tandem.managers.scheduler import Scheduler
+from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.sampling.sampling_params import SamplingParams
+from tandem.server_args import PortArgs, ServerArgs
+from tandem.utils import zmq_io
+
+
+@pytest.fixture
+def port_args():
+    args = PortArgs.create()
+    yield args
+    shutil.rmtree(args.ipc_dir, ignore_errors=True)
+
+
+def pull(endpoint: str) -> zmq.Socket:
+    return zmq_io.make_socket(zmq.Context.instance(), zmq.PULL, endpoint, bind=True)
+
+
+def drain(sock: zmq.Socket, quiet_ms: int = 200) -> list:
+    """Every message that arrives until none has come for `quiet_ms`."""
+    out = []
+    while sock.poll(quiet_ms):
+        out.extend(zmq_io.recv_nowait(sock))
+    return out
+
+
+def assert_error_finish(reason: dict, where: str, exc_name: str) -> None:
+    assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+    assert reason["message"].startswith(f"internal error while {where}: {exc_name}"), reason
+
+
+# ---- scheduler ------------------------------------------------------------------------
+class SchedulerHarness:
+    """A real Scheduler on the tiny model, its outputs read from a real PULL socket."""
+
+    def __init__(self, model_dir, port_args: PortArgs):
+        self.outputs = pull(port_args.scheduler_to_detokenizer)
+        self.scheduler = Scheduler(ServerArgs(model_path=str(model_dir), max_total_tokens=2048), port_args)
+        self.released: collections.Counter = collections.Counter()
+        release = self.scheduler.kv.release
+
+        def counting_release(req) -> None:
+            self.released[req.rid] += req.req_pool_idx is not None
+            release(req)
+
+        self.scheduler.kv.release = counting_release
+
+    def submit(self, rid: str, stream: bool = False, input_ids: list[int] | None = None, **params) -> None:
+        sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0)
+        for name, value in params.items():
+            setattr(sp, name, value)  # NOTE: unchecked on purpose, to poison a request
+        self.scheduler.process_input_requests([TokenizedGenerateReqInput(
+            rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream)])
+
+    def run_until_idle(self) -> dict[str, dict]:
+        """Step until nothing runs; the finish reason of every request that finished."""
+        s = self.scheduler
+        while (batch := s.get_next_batch_to_run()) is not None:
+            s.process_batch_result(batch, s.run_batch(batch))
+        finishes = {}
+        for msg in drain(self.outputs):
+            for rid, reason in zip(msg.rids, msg.finished_reasons):
+                if reason is not None:
+                    assert rid not in finishes, f"{rid} finished twice"
+                    finishes[rid] = reason
+        return finishes
+
+    def assert_memory_idle(self) -> None:
+        state = self.scheduler.server_state("check")
+        assert state.num_running_reqs == state.num_waiting_reqs == 0
+        assert state.free_kv_slots + state.evictable_cached_slots == state.max_total_num_tokens, state
+        assert state.protected_cached_slots == 0, state
+
+
+@pytest.fixture
+def harness(tiny_llama_dir, port_args) -> SchedulerHarness:
+    return SchedulerHarness(tiny_llama_dir, port_args)
+
+
+GOOD = {"type": "length", "length": 6}
+
+
+def test_scheduler_request_whose_input_raises_ends_alone(harness):
+    harness.submit("good")
+    harness.scheduler.process_input_requests([TokenizedGenerateReqInput(
+        rid="bad", input_ids=[1, 2], sampling_params=None)])  # handle_generate_request raises
+    finishes = harness.run_until_idle()
+    assert_error_finish(finishes["bad"], "handling its input", "AttributeError")
+    assert finishes["good"] == GOOD
+    harness.assert_memory_idle()
+
+
+def test_scheduler_request_whose_finish_check_raises_ends_alone(harness):
+    harness.submit("good")
+    harness.submit("bad", stop=[123])  # the stop-string check calls 123.encode
+    harness.submit("bad-stream", stream=True, stop=[123], input_ids=[5, 6, 7, 8, 9])
+    finishes = harness.run_until_idle()
+    assert_error_finish(finishes["bad"], "processing its output", "AttributeError")
+    assert_error_finish(finishes["bad-stream"], "processing its output", "AttributeError")
+    assert finishes["good"] == GOOD
+    assert harness.released == {"good": 1, "bad": 1, "bad-stream": 1}
+    harness.assert_memory_idle()
+    harness.submit("after")  # still serving
+    assert harness.run_until_idle() == {"after": GOOD}
+
+
+def test_scheduler_request_whose_output_record_raises_ends_alone(harness):
+    harness.submit("good", stream=True)
+    harness.submit("bad", stream=True, stop=None)  # DetokenizeParams: list(None)
+    finishes = harness.run_until_idle()
+    assert_error_finish(finishes["bad"], "building its output", "TypeError")
+    assert finishes["good"] == GOOD
+    assert harness.released == {"good": 1, "bad": 1}
+    harness.assert_memory_idle()
+
+
+def test_scheduler_failing_forward_is_fatal(harness, port_args):
+    def broken_forward(batch):
+        raise RuntimeError("forward failed")
+
+    harness.scheduler.worker.forward_batch_generation = broken_forward
+    to_scheduler = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
+    zmq_io.send(to_scheduler, TokenizedGenerateReqInput(rid="x", input_ids=[1, 2], sampling_params=SamplingParams()))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        harness.scheduler.event_loop_normal()
+    to_scheduler.close()
+
+
+# ---- detokenizer ----------------------------------------------------------------------
+def detok_params() -> DetokenizeParams:
+    return DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True, stop=[], no_stop_trim=False,
+                            stream=True)
+
+
+def token_output(rows: list[tuple[str, list[int], dict | None, DetokenizeParams | None]]) -> BatchTokenIDOutput:
+    out = BatchTokenIDOutput()
+    for rid, ids, finished, params in rows:
+        out.append(rids=rid, new_token_ids=ids, finished_reasons=finished, detokenize_params=params,
+                   prompt_tokens=2, completion_tokens=len(ids), cached_tokens=0, retractions=0,
+                   output_token_logprobs=None, output_top_logprobs=None, input_token_logprobs=None,
+                   input_top_logprobs=None)
+    return out
+
+
+def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_args):
+    manager = DetokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args)
+    huge = 2**40  # decode() raises OverflowError
+    out = manager.handle_batch_token_id_out(token_output([
+        ("good", [5, 6], None, detok_params()), ("bad", [5, huge], None, detok_params())]))
+    assert out.rids == ["good", "bad"] and out.text_deltas[1] == ""
+    assert out.finished_reasons[0] is None
+    assert_error_finish(out.finished_reasons[1], "detokenizing its output", "OverflowError")
+    assert set(manager.states) == {"good"}
+    # The scheduler's later outputs of "bad" (until its abort arrives) pass with no text;
+    # an abort keeps its own reason.
+    late = manager.handle_batch_token_id_out(token_output([
+        ("bad", [7], None, None), ("good", [huge], {"type": "abort", "message": "aborted"}, None)]))
+    assert late.text_deltas == ["", ""]
+    assert late.finished_reasons == [None, {"type": "abort", "message": "aborted"}]
+    assert manager.states == {}
+
+
+# ---- tokenizer manager ------------------------------------------------------------------
+def str_output(rid: str, text: str, ids: list[int], finished: dict | None, logprobs=None) -> BatchStrOutput:
+    return BatchStrOutput(rids=[rid], text_deltas=[text], new_token_ids=[ids], finished_reasons=[finished],
+                          prompt_tokens=[3], completion_tokens=[len(ids)], cached_tokens=[0], retractions=[0],
+                          output_token_logprobs=[logprobs], output_top_logprobs=[[[]] * len(ids) if logprobs else None],
+                          input_token_logprobs=[None], input_top_logprobs=[None])
+
+
+async def _generate(tm: TokenizerManager, **kwargs):
+    return await tm.generate_request(GenerateReqInput(text="hello world", **kwargs))
+
+
+def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llama_dir, port_args):
+    scheduler_in = pull(port_args.tokenizer_to_scheduler)
+    info = {"context_length": 2048, "vocab_size": 512, "max_total_num_tokens": 4096, "max_running_requests": 8,
+            "eos_token_ids": []}
+
+    async def run() -> None:
+        tm = TokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args, info)
+        try:
+            [good] = await _generate(tm, rid="x")
+            [bad] = await _generate(tm, rid="y", return_logprob=True)
+            with pytest.raises(ValueError, match="^Duplicate request ID detected: x$"):
+                await _generate(tm, rid="x")
+            sent = drain(scheduler_in)
+            good_id, bad_id = [m.rid for m in sent]
+            assert good_id != bad_id and {good_id, bad_id}.isdisjoint({"x", "y"})
+            tm._handle_batch_output(str_output(bad_id, "a", [5], None, logprobs=[(0.1,)]))  # (logprob, id) expected
+            tm._handle_batch_output(str_output(good_id, "ok", [5, 6], {"type": "length", "length": 2}))
+            [bad_out] = [o async for o in bad]
+            assert_error_finish(bad_out["meta_info"]["finish_reason"], "handling its output", "ValueError")
+            assert bad_out["meta_info"]["id"] == "y"
+            [abort] = drain(scheduler_in)
+            assert abort == AbortReq(rid=bad_id)  # the scheduler is told to stop it
+            [good_out] = [o async for o in good]
+            assert good_out["text"] == "ok" and good_out["meta_info"]["id"] == "x"
+
+            # The label is free again; a late output of the old request never reaches the new one.
+            [again] = await _generate(tm, rid="x")
+            [msg] = drain(scheduler_in)
+            assert msg.rid not in (good_id, bad_id)
+            tm._handle_batch_output(str_output(good_id, "late", [9], {"type": "abort", "message": "aborted"}))
+            tm._handle_batch_output(str_output(msg.rid, "new", [7], {"type": "length", "length": 1}))
+            [again_out] = [o async for o in again]
+            assert again_out["text"] == "new" and again_out["meta_info"]["finish_reason"]["type"] == "length"
+
+            # A detokenizer failure: the tokenizer manager tells the scheduler to stop the request.
+            [failing] = await _generate(tm, rid="z")
+            [msg] = drain(scheduler_in)
+            tm._handle_batch_output(str_output(msg.rid, "", [], {"type": "abort", "status_code": 500, "message": "m"}))
+            [out] = [o async for o in failing]
+            assert out["meta_info"]["finish_reason"]["status_code"] == 500
+            assert drain(scheduler_in) == [AbortReq(rid=msg.rid)]
+            assert tm.rid_to_state == {} and tm.label_to_rids == {}
+        finally:
+            await tm.close()
+
+    asyncio.run(run())

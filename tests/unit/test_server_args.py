@@ -1,0 +1,86 @@
+"""SGLang's flags at parse level: every flag of tandem/sglang_flags.py parses, its
+neutral value starts, a no-effect value is accepted with one log line, a not-built value
+stops the start naming the flag. SGLang's defaults (random seed, chunk size)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from tandem.server_args import ServerArgs, default_chunked_prefill_size
+from tandem.sglang_flags import COMPAT_FLAGS
+
+# One non-default value per flag, as a user would pass it.
+SET_VALUES = {
+    "tp_size": ["2"], "dp_size": ["2"], "pp_size": ["2"], "ep_size": ["2"], "nnodes": ["2"],
+    "tokenizer_worker_num": ["2"], "load_format": ["pt"], "page_size": ["16"], "kv_cache_dtype": ["fp8_e5m2"],
+    "attention_backend": ["triton"], "quantization": ["fp8"], "lora_paths": ["a=/x", "b=/y"],
+    "speculative_algorithm": ["EAGLE"], "speculative_draft_model_path": ["/draft"], "reasoning_parser": ["qwen3"],
+    "tool_call_parser": ["llama3"], "revision": ["main"], "tokenizer_mode": ["slow"], "cuda_graph_max_bs": ["8"],
+    "cuda_graph_bs": ["1", "2"], "torch_compile_max_bs": ["8"], "base_gpu_id": ["1"], "grammar_backend": ["xgrammar"],
+    "sampling_backend": ["flashinfer"], "decode_log_interval": ["10"],
+}
+
+
+def _parse(*argv: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/m", *argv]))
+
+
+def _set_argv(flag) -> list[str]:
+    return [flag.names[0], *SET_VALUES.get(flag.dest, [])]
+
+
+def test_defaults_pass():
+    args = _parse()
+    assert args.tp_size == 1 and args.load_format == "auto" and not args.trust_remote_code
+    args.validate()
+
+
+@pytest.mark.parametrize("flag", COMPAT_FLAGS, ids=lambda f: f.names[0])
+def test_every_sglang_flag(flag, caplog):
+    args = _parse(*_set_argv(flag))
+    value = getattr(args, flag.dest)
+    assert not flag.ok(value), "the test value must be a non-neutral one"
+    with caplog.at_level(logging.INFO, logger="tandem.server_args"):
+        if flag.no_effect:
+            args.validate()
+            [line] = [r.getMessage() for r in caplog.records if flag.names[0] in r.getMessage()]
+            assert "has no effect here" in line
+        else:
+            with pytest.raises(ValueError) as e:
+                args.validate()
+            assert str(e.value).startswith(flag.names[0] + " ")
+
+
+@pytest.mark.parametrize("argv,dest,value", [
+    (["--tp", "1"], "tp_size", 1), (["--tensor-parallel-size", "1"], "tp_size", 1), (["--dp", "1"], "dp_size", 1),
+    (["--tokenizer-worker-num", "1"], "tokenizer_worker_num", 1), (["--load-format", "dummy"], "load_format", "dummy"),
+    (["--load-format", "safetensors"], "load_format", "safetensors"), (["--page-size", "1"], "page_size", 1),
+    (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
+    (["--attention-backend", "torch_native"], "attention_backend", "torch_native"),
+    (["--log-level-http", "warning"], "log_level_http", "warning"),
+])
+def test_working_values_pass(argv, dest, value, caplog):
+    args = _parse(*argv)
+    assert getattr(args, dest) == value
+    with caplog.at_level(logging.INFO, logger="tandem.server_args"):
+        args.validate()
+    assert not caplog.records
+
+
+def test_sglang_defaults():
+    assert _parse().random_seed != _parse().random_seed or _parse().random_seed != _parse().random_seed
+    assert _parse("--random-seed", "7").random_seed == 7
+    assert _parse("--chunked-prefill-size", "-1").chunked_prefill_size == -1
+    assert _parse(*["--device", "cpu"]).chunked_prefill_size == default_chunked_prefill_size("cpu")
+    assert default_chunked_prefill_size("cpu") in (2048, 4096, 8192, 16384)
+    assert default_chunked_prefill_size("mps") == 4096
+
+
+def test_unknown_flag_still_rejected():
+    with pytest.raises(SystemExit):
+        _parse("--no-such-flag")
