@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -15,6 +16,18 @@ def generate(client: httpx.Client, **body) -> dict:
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def stream_events(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    """POST a streaming request; return its SSE events' JSON, asserting a 200 event stream
+    that ends with `data: [DONE]`."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines[:-1]), lines
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
 
 def wait_idle(client: httpx.Client, timeout: float = 20.0) -> dict:

@@ -3,10 +3,12 @@ processes remains afterwards."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +26,9 @@ LIVE: set["ServerHandle"] = set()
 
 class ServerHandle:
     def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, new_session: bool = False):
+        """`new_session`: start the server in its own process group (for tests that kill
+        the group)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -33,8 +37,9 @@ class ServerHandle:
                "--port", str(self.port), "--log-level", "warning", *(extra_args or [])]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
         self.pids: set[int] = {self.proc.pid}
+        self.stop_seconds: float | None = None  # from the signal to the main process's exit
         LIVE.add(self)
         try:
             self._wait_ready(timeout)
@@ -62,6 +67,10 @@ class ServerHandle:
         except psutil.NoSuchProcess:
             return set()
 
+    def ipc_dirs(self) -> list[str]:
+        """The server's ipc directories (named after its main process)."""
+        return glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-ipc-{self.proc.pid}-*"))
+
     def log_tail(self, n: int = 40) -> str:
         self._log.flush()
         return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
@@ -73,10 +82,12 @@ class ServerHandle:
         """
         LIVE.discard(self)
         self.pids |= self.child_pids()
+        tic = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=timeout)
+            self.stop_seconds = time.monotonic() - tic
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

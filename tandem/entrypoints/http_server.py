@@ -83,6 +83,13 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # JSON bodies parsed by orjson (json_body.py)
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> Response:
+        """A value nested deeply enough (JSON allows 1024 levels) to exhaust Python's stack
+        somewhere (a chat template's message fields, a library's copy) is the client's 400."""
+        logger.warning("%s %s: RecursionError on a deeply nested request value", request.method, request.url.path)
+        return error_for_path(request.url.path, "request body: a value is nested too deeply", 400)
+
     @app.get("/health")
     async def health() -> Response:
         """200, or 503 with the reason: a subprocess has exited, a forward step is stuck past
@@ -195,4 +202,5 @@ def launch_server(server_args: ServerArgs) -> None:
         DrainingServer(config, tm, server_args.graceful_shutdown_timeout).run()
     finally:
         procs.shutdown()
-        kill_process_tree(os.getpid(), include_parent=False)
+        # Any other descendant (multiprocessing's resource tracker, which ignores SIGTERM).
+        kill_process_tree(os.getpid(), include_parent=False, sig=signal.SIGKILL)

@@ -9,7 +9,8 @@ from tandem.managers.schedule_batch import Req
 
 class FinishChecker:
     """Stop conditions in the order SGLang applies them: length, then stop token ids and
-    EOS, then stop strings (found by decoding only the tail of the output)."""
+    EOS, then stop strings (found by decoding only the tail of the output, with one id
+    before it as context)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
@@ -27,8 +28,17 @@ class FinishChecker:
         if sp.stop and self.tokenizer is not None:  # no stop strings without a tokenizer
             # A stop string of B UTF-8 bytes spans at most B tokens (+1 partial token).
             window = max(len(s.encode("utf-8")) for s in sp.stop) + 1
-            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+            tail = self._output_tail(req, window, sp.skip_special_tokens)
             for stop in sp.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
         return None
+
+    def _output_tail(self, req: Req, window: int, skip_special_tokens: bool) -> str:
+        """The text of the last `window` output ids as it reads in the whole text: decoded
+        after the id before them (an output id, or the prompt's last), whose text is then
+        cut off, so that a SentencePiece decoder keeps the first one's leading space."""
+        out = req.output_ids
+        context = out[-window - 1 : -window] if len(out) > window else req.origin_input_ids[-1:]
+        text = self.tokenizer.decode(context + out[-window:], skip_special_tokens=skip_special_tokens)
+        return text[len(self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)):]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import hf_reference
-from http_helpers import generate
+from http_helpers import generate, stream_events
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0}
@@ -21,16 +21,7 @@ LONG_STREAM = {**GREEDY, "max_new_tokens": 300, "ignore_eos": True}
 
 
 def stream_chunks(client, **body) -> list[dict]:
-    chunks = []
-    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
-        assert line.startswith("data: ")
-        chunks.append(json.loads(line[len("data: "):]))
-    return chunks
+    return stream_events(client, "/generate", {**body, "stream": True})
 
 
 def test_stream_equals_non_stream(client):
@@ -51,14 +42,20 @@ def test_unicode_prompt_round_trips_without_replacement_chars(client, tiny_llama
     text = "日本語のテキスト 😀 café"
     out = generate(client, text=text, sampling_params={**GREEDY, "max_new_tokens": 30})
     tok, _ = hf_reference.load(str(tiny_llama_dir))
-    expected = tok.decode(out["output_ids"], skip_special_tokens=True)
+
+    def after_prompt(prompt_ids: list[int], output_ids: list[int]) -> str:
+        """The output's text as it reads after the prompt's (what the server sends)."""
+        head = tok.decode(prompt_ids, skip_special_tokens=True)
+        return tok.decode(prompt_ids + output_ids, skip_special_tokens=True)[len(head):]
+
+    expected = after_prompt(tok.encode(text), out["output_ids"])
     assert out["text"] == expected
     if "\ufffd" not in expected:
         assert "\ufffd" not in out["text"]
     # Generating from byte tokens of an emoji: the text is their decode, never broken.
     emoji_ids = tok.encode("😀😀", add_special_tokens=False)
     out = generate(client, input_ids=emoji_ids, sampling_params={**GREEDY, "max_new_tokens": 8})
-    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+    assert out["text"] == after_prompt(emoji_ids, out["output_ids"])
 
 
 def test_stop_string_spanning_tokens_is_trimmed(client, tiny_llama_dir):

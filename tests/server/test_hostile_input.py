@@ -13,6 +13,10 @@ import time
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from http_helpers import assert_memory_idle
 
@@ -69,7 +73,7 @@ def test_top_k_past_int64_is_400_and_the_server_lives(client):
     ('{"temperature": NaN}', "request body"),
     ('{"temperature": Infinity}', "request body"),
     ('{"temperature": 1e400}', "request body"),
-    (f'{{"temperature": {10**400}}}', "temperature"),
+    (f'{{"temperature": {10**400}}}', "request body"),  # a double overflows: invalid JSON
     ('{"top_p": -Infinity}', "request body"),
     ('{"frequency_penalty": 1e308}', "frequency_penalty"),
     ('{"repetition_penalty": 0}', "repetition_penalty"),
@@ -277,3 +281,150 @@ def test_rid_length_is_bounded(client):
     assert r.status_code == 200 and r.json()["meta_info"]["id"] == "r" * 512
     r = client.post("/generate", json={"text": ["a", "b"], "rid": ["x", "r" * 513], "sampling_params": TINY})
     assert r.status_code == 400 and error_message(r).startswith("rid: "), r.text
+
+
+# ---- property-based fuzzing -------------------------------------------------------------
+
+# Hostile values: integers of every size (the int32/int64/uint64 edges included), floats,
+# text with lone surrogates, nulls, and nested JSON values.
+EDGE_INTS = st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, -1, 0])
+NUMBERS = st.one_of(st.integers(-3, 5), st.integers(), EDGE_INTS, st.floats(allow_nan=False, allow_infinity=False))
+TEXT = st.one_of(st.text(max_size=20), st.sampled_from(["\ud800", "a\udfffb", "\U0001F600", "", " "]))
+JSON = st.recursive(st.none() | st.booleans() | NUMBERS | TEXT,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                    max_leaves=8)
+HOSTILE = st.one_of(NUMBERS, TEXT, JSON)
+
+# Valid requests (token budgets stay tiny so that accepted requests finish fast), which
+# `with_hostile_fields` then spoils in up to three places, so that most requests get past
+# the first check and each layer of validation is reached.
+PROMPT = st.text(min_size=1, max_size=40)
+IDS = st.lists(st.integers(0, 1535), min_size=1, max_size=8)
+SAMPLING = {
+    "max_new_tokens": st.integers(0, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "top_k": st.sampled_from([-1, 1, 5, 10**9]), "min_p": st.floats(0, 1), "n": st.integers(1, 3),
+    "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "sampling_seed": st.integers(0, 2**63 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2), "stop_token_ids": st.lists(st.integers(0, 1535),
+                                                                                          max_size=2),
+    "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
+}
+GENERATE_BODIES = st.fixed_dictionaries({
+    "sampling_params": st.fixed_dictionaries({"max_new_tokens": SAMPLING["max_new_tokens"]},
+                                             optional={k: v for k, v in SAMPLING.items() if k != "max_new_tokens"}),
+}, optional={
+    "stream": st.booleans(), "return_logprob": st.booleans(), "top_logprobs_num": st.integers(0, 5),
+    "rid": st.text(min_size=1, max_size=10),
+}).flatmap(lambda body: st.one_of(
+    st.fixed_dictionaries({**{k: st.just(v) for k, v in body.items()}, "text": st.one_of(PROMPT, st.lists(
+        PROMPT, min_size=1, max_size=3))}),
+    st.fixed_dictionaries({**{k: st.just(v) for k, v in body.items()}, "input_ids": st.one_of(IDS, st.lists(
+        IDS, min_size=1, max_size=3))}),
+))
+OPENAI_SAMPLING = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": SAMPLING["top_k"], "min_p": st.floats(0, 1),
+    "n": st.integers(1, 3), "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "seed": st.integers(-(2**63), 2**63 - 1),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+    "stop_token_ids": SAMPLING["stop_token_ids"], "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "min_tokens": st.integers(0, 1), "user": st.text(max_size=5),
+}
+COMPLETION_BODIES = st.fixed_dictionaries({
+    "model": st.just("m"), "max_tokens": st.integers(1, 3),
+    "prompt": st.one_of(PROMPT, st.lists(PROMPT, min_size=1, max_size=3), IDS, st.lists(IDS, min_size=1, max_size=3)),
+}, optional={**OPENAI_SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 5)})
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                           "content": st.one_of(PROMPT, st.lists(st.fixed_dictionaries(
+                                               {"type": st.just("text"), "text": PROMPT}), min_size=1, max_size=2))}),
+                    min_size=1, max_size=3)
+CHAT_BODIES = st.fixed_dictionaries({"model": st.just("m"), "max_tokens": st.integers(1, 3), "messages": MESSAGES},
+                                    optional={**OPENAI_SAMPLING, "logprobs": st.booleans()})
+# Where the spoilt values go: every field of the routes (a few unknown ones too).
+GENERATE_KEYS = ["text", "input_ids", "rid", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len",
+                 "sampling_params", "bogus", *[f"sampling_params.{k}" for k in [*SAMPLING, "bogus"]]]
+OPENAI_KEYS = ["model", "max_tokens", "prompt", "echo", "logprobs", "top_logprobs", "messages", "messages.0",
+               "messages.0.content", "messages.0.role", "tool_choice", "response_format", "logit_bias",
+               "stream_options", "max_completion_tokens", "bogus", *OPENAI_SAMPLING]
+
+
+def with_hostile_fields(valid: st.SearchStrategy, keys: list[str]) -> st.SearchStrategy:
+    """`valid` bodies with up to three fields (dotted paths into `keys`) set to hostile values."""
+    @st.composite
+    def spoil(draw) -> dict:
+        body = draw(valid)
+        for _ in range(draw(st.integers(0, 3))):
+            *parents, last = draw(st.sampled_from(keys)).split(".")
+            target = body
+            for part in parents:
+                target = target[int(part)] if isinstance(target, list) else target.get(part)
+                if not isinstance(target, (dict, list)) or (isinstance(target, list) and not target):
+                    break
+            else:
+                if isinstance(target, dict):
+                    target[last] = draw(HOSTILE)
+                elif last.isdigit() and int(last) < len(target):
+                    target[int(last)] = draw(HOSTILE)
+        return body
+
+    return spoil()
+
+
+FUZZ = settings(max_examples=250, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+
+
+def send_and_check(client: httpx.Client, path: str, body: dict) -> None:
+    """POST `body` (lone surrogates escaped as JSON allows); any 5xx or a dropped
+    connection fails. A streamed answer is read to its end."""
+    content = json.dumps(body)
+    with client.stream("POST", path, content=content, headers={"content-type": "application/json"}) as r:
+        data = r.read()
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (path, content[:500], r.status_code, data[:500])
+    if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+        assert data.rstrip().endswith(b"data: [DONE]"), (path, content[:500], data[-500:])
+        assert b'"InternalServerError"' not in data, (path, content[:500], data[-500:])
+
+
+@pytest.mark.parametrize("path, bodies", [
+    ("/generate", with_hostile_fields(GENERATE_BODIES, GENERATE_KEYS)),
+    ("/v1/completions", with_hostile_fields(COMPLETION_BODIES, OPENAI_KEYS)),
+    ("/v1/chat/completions", with_hostile_fields(CHAT_BODIES, OPENAI_KEYS)),
+])
+def test_fuzz_generation_routes_never_5xx(client, path, bodies):
+    @FUZZ
+    @given(body=bodies)
+    def check(body: dict) -> None:
+        send_and_check(client, path, body)
+        assert client.get("/health").status_code == 200
+
+    check()
+    assert_memory_idle(client)
+
+
+# Operations schemathesis leaves out: they change the server's state for everyone.
+SCHEMATHESIS_SKIP = ("profile", "abort_request", "flush_cache")
+
+
+def test_schemathesis_openapi_cases_never_5xx(server, client):
+    """Schema-valid and schema-violating cases for every operation in /openapi.json."""
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [op for op in operations if not any(skip in op.path for skip in SCHEMATHESIS_SKIP)]
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= {op.path for op in operations}
+    cases = st.one_of(*[op.as_strategy(mode) for op in operations
+                        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
+
+    @settings(FUZZ, max_examples=150)
+    @given(case=cases)
+    def check(case) -> None:
+        if isinstance(case.body, dict):  # keep accepted generations short
+            for key in ("max_tokens", "max_completion_tokens"):
+                if not isinstance(case.body.get(key), int) or case.body[key] > 3:
+                    case.body[key] = 3
+        response = case.call(base_url=server.base_url, timeout=60)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
+                                            response.text[:500])
+        assert client.get("/health").status_code == 200
+
+    check()
+    assert_memory_idle(client)

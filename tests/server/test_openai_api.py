@@ -157,23 +157,30 @@ def test_models_and_tokenize(server, client, tokenizer):
     assert r["text"] == PROMPT
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"temperature": -1}, "temperature"),
-    ({"model": "gpt-4"}, "model"),
-    ({"frequency_penalty": 3.0}, "frequency_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"extra_body": {"min_tokens": 9}}, "min_tokens"),
-    ({"max_tokens": 1000}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "sea " * 300}]}, "messages"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+@pytest.mark.parametrize("kwargs,param,text", [
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role", "'role' must be one of"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty", "frequency_penalty"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+    ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens"),
+    # SGLang's wording, which clients and SGLang's tests match on.
+    ({"max_tokens": 1000}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
+    ({"messages": [{"role": "user", "content": "sea " * 300}]}, "messages",
+     "is longer than the model's context length"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs"),
 ])
-def test_bad_requests_are_400(client, kwargs, param):
+def test_bad_requests_are_400(client, kwargs, param, text):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**args)
     body = e.value.response.json()
-    assert body["object"] == "error" and body["param"] == param and param in body["message"]
-    assert body["type"] == "BadRequestError"
+    assert body["object"] == "error" and body["param"] == param and text in body["message"]
+    assert body["type"] == "BadRequestError" and body["code"] == 400
+
+
+def test_any_model_name_is_served(client):
+    out = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=2)
+    assert out.model == "default" and out.choices[0].finish_reason == "length"
 
 
 def test_errors_and_still_serving(server, client):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.io_struct import MAX_RID_LENGTH, GenerateReqInput
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -76,3 +76,48 @@ def test_batch_items_pick_their_own_params():
     assert obj.is_batch and obj.batch_size == 2
     second = obj.item(1)
     assert second.text == "b" and second.sampling_params == {"n": 2} and second.rid == "r2" and not second.is_batch
+
+
+@pytest.mark.parametrize("params, field, words", [
+    ({"top_k": 2**63}, "top_k", "<= 9223372036854775807"),
+    ({"max_new_tokens": 2**63}, "max_new_tokens", "<="),
+    ({"sampling_seed": -(2**63) - 1}, "sampling_seed", ">="),
+    ({"sampling_seed": 2**64}, "sampling_seed", "<="),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids", "<="),
+    ({"n": 129}, "n", "<= 128"),
+    ({"temperature": float("inf")}, "temperature", "finite"),
+    ({"temperature": 10**400}, "temperature", "finite"),
+    ({"top_p": float("nan")}, "top_p", "finite"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty", "finite"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty", "finite"),
+    ({"min_p": float("nan")}, "min_p", "finite"),
+])
+def test_numbers_that_reach_tensors_are_bounded(params, field, words):
+    with pytest.raises(ValueError, match=f"sampling_params.{field}: .*{words}"):
+        SamplingParams.from_dict(params)
+
+
+def test_error_messages_stay_short_for_huge_or_deep_values():
+    deep: object = 1
+    for _ in range(5000):  # deeper than Python's recursion limit
+        deep = [deep]
+    for value in (deep, 10**5000, "x" * 1_000_000):
+        with pytest.raises(ValueError) as e:
+            SamplingParams.from_dict({"temperature": value})
+        assert str(e.value).startswith("sampling_params.temperature: ") and len(str(e.value)) < 200
+
+
+def test_top_k_past_the_vocabulary_means_all_of_it():
+    p = SamplingParams.from_dict({"top_k": 2**63 - 1, "sampling_seed": -(2**63), "n": 128})
+    p.verify(vocab_size=100)
+    p.normalize(vocab_size=100)
+    assert p.top_k == 100
+    p = SamplingParams.from_dict({"top_k": 5})
+    p.normalize(vocab_size=100)
+    assert p.top_k == 5
+
+
+def test_rid_length_is_bounded():
+    GenerateReqInput.from_json({"text": "a", "rid": "r" * MAX_RID_LENGTH})
+    with pytest.raises(ValueError, match=f"rid: must be at most {MAX_RID_LENGTH} characters"):
+        GenerateReqInput.from_json({"text": "a", "rid": "r" * (MAX_RID_LENGTH + 1)})
