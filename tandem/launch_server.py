@@ -6,6 +6,7 @@ import argparse
 
 from tandem.entrypoints.http_server import launch_server
 from tandem.server_args import ServerArgs
+from tandem.utils.process import exit_now
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # one line naming the flag, like argparse's own errors
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     launch_server(server_args)
+    exit_now(0)  # everything has shut down; skip the slow interpreter teardown
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
 from tandem.server_args import ServerArgs
-from tandem.utils.process import configure_logging, kill_process_tree, set_process_name
+from tandem.utils.process import configure_logging, exit_now, kill_process_tree, set_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -184,12 +184,12 @@ def launch_server(server_args: ServerArgs) -> None:
     def on_child_death(name: str) -> None:
         logger.error("%s died; shutting the server down", name)
         procs.shutdown()
-        os._exit(1)
+        exit_now(1)
 
     def on_sigquit(signum, frame) -> None:  # a child reported a crash
         logger.error("a subprocess crashed; shutting the server down")
         procs.shutdown()
-        os._exit(1)
+        exit_now(1)
 
     signal.signal(signal.SIGQUIT, on_sigquit)
     procs.watch(on_child_death)
