@@ -54,6 +54,7 @@ class ServerArgs:
     linear_backend: str = "auto"
     enable_mixed_chunk: bool = False
     watchdog_timeout: float = 300.0
+    graceful_shutdown_timeout: float = 30.0
     log_level_http: str | None = None
     # SGLang's flags kept for compatibility (tandem/sglang_flags.py says what each does).
     tp_size: int = 1
@@ -95,7 +96,6 @@ class ServerArgs:
     decode_log_interval: int = 40
     enable_cache_report: bool = False
     allow_auto_truncate: bool = False
-    graceful_shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:

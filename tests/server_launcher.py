@@ -72,7 +72,8 @@ class ServerHandle:
         return glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-ipc-{self.proc.pid}-*"))
 
     def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
 
     def stop(self, sig: int = signal.SIGTERM, check: bool = True, timeout: float = 30.0) -> list[int]:

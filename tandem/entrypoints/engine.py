@@ -67,12 +67,13 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | list[str] | None = None) -> Output | Iterator[dict[str, Any]]:
+                 stream: bool = False, rid: str | list[str] | None = None,
+                 token_ids_logprob: list[int] | list[list[int]] | None = None) -> Output | Iterator[dict[str, Any]]:
         """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
         an iterator of chunks (with several outputs, each chunk carries its output's "index":
         prompt_index * n + sample_index)."""
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, return_text_in_logprobs, stream, rid)
+                            top_logprobs_num, return_text_in_logprobs, stream, rid, token_ids_logprob)
         if stream:
             return self._sync_stream(obj)
         return self._call(self._collect(obj))
@@ -82,10 +83,12 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: str | list[str] | None = None) -> Output | AsyncIterator[dict[str, Any]]:
+                             rid: str | list[str] | None = None,
+                             token_ids_logprob: list[int] | list[list[int]] | None = None
+                             ) -> Output | AsyncIterator[dict[str, Any]]:
         """The asyncio twin of `generate`, usable from any event loop."""
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, return_text_in_logprobs, stream, rid)
+                            top_logprobs_num, return_text_in_logprobs, stream, rid, token_ids_logprob)
         if stream:
             return self._async_stream(obj)
         return await asyncio.wrap_future(self._submit(self._collect(obj)))
@@ -120,10 +123,11 @@ class Engine:
     # ---- internals -----------------------------------------------------------------
     @staticmethod
     def _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                 return_text_in_logprobs, stream, rid) -> GenerateReqInput:
+                 return_text_in_logprobs, stream, rid, token_ids_logprob) -> GenerateReqInput:
         obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream,
                                rid=rid, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                               top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
+                               top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+                               token_ids_logprob=token_ids_logprob)
         obj.validate_shape()
         return obj
 

@@ -17,10 +17,13 @@ from tandem.model_executor.forward_batch import ForwardBatch
 
 @dataclass
 class InputLogprobs:
-    """Per request: logprob of each prompt token from `start` on (None for position 0)."""
+    """Per request: logprob of each prompt token from `start` on (None for position 0),
+    its top alternatives, and the (logprob, token_id) pairs of the request's
+    `token_ids_logprob` (None when it asked for none; the entry of position 0 is None)."""
 
     token_logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]]]
+    token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass
@@ -36,6 +39,12 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[tuple[float, int]]
         return [[] for _ in range(logprobs.shape[0])]
     values, ids = logprobs.topk(k, dim=-1)
     return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def token_ids_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> list[list[tuple[float, int]]]:
+    """[n, vocab] -> for each row, the (logprob, token_id) of every id in `token_ids`, in order."""
+    values = logprobs[:, torch.tensor(token_ids, dtype=torch.int64, device=logprobs.device)].tolist()
+    return [list(zip(row, token_ids)) for row in values]
 
 
 class LogitsProcessor:
@@ -55,13 +64,14 @@ class LogitsProcessor:
             else:
                 out.input_logprobs.append(self._input_logprobs(
                     hidden[offset : offset + extend_len], lm_head, fb.input_ids[offset : offset + extend_len],
-                    prefix_len, start, fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0))
+                    prefix_len, start, fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0,
+                    fb.token_ids_logprobs[i] if fb.token_ids_logprobs else None))
             offset += extend_len
         return out
 
     @staticmethod
     def _input_logprobs(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, prefix_len: int,
-                        start: int, top_k: int) -> InputLogprobs:
+                        start: int, top_k: int, token_ids: list[int] | None = None) -> InputLogprobs:
         """Prompt token j (absolute) is scored by the logits at position j - 1.
 
         `hidden`/`ids` cover absolute positions prefix_len .. prefix_len + len - 1;
@@ -72,10 +82,15 @@ class LogitsProcessor:
         end = prefix_len + ids.numel()
         token_logprobs: list[float | None] = [None] if start == 0 else []
         tops: list[list[tuple[float, int]]] = [[]] if start == 0 else []
+        chosen: list[list[tuple[float, int]] | None] | None = None
+        if token_ids is not None:
+            chosen = [None] if start == 0 else []
         if first < end:
             logits = lm_head(hidden[first - 1 - prefix_len : end - 1 - prefix_len]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             targets = ids[first - prefix_len : end - prefix_len]
             token_logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             tops += top_logprobs(logprobs, top_k)
-        return InputLogprobs(token_logprobs, tops)
+            if chosen is not None:
+                chosen += token_ids_logprobs(logprobs, token_ids)
+        return InputLogprobs(token_logprobs, tops, chosen)

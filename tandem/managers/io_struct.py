@@ -40,6 +40,8 @@ class TokenizedGenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Token ids whose logprobs are returned at every position (None: not asked for).
+    token_ids_logprob: list[int] | None = None
 
 
 @dataclass
@@ -142,7 +144,9 @@ class BatchOutputMeta:
     The logprob lists are None for a request that did not ask for logprobs; otherwise
     they hold (logprob, token_id) pairs of the new output tokens, their top alternatives,
     and (in the request's first output only) the prompt's logprobs from
-    logprob_start_len on.
+    logprob_start_len on. The token-ids lists hold, per position, the (logprob, token_id)
+    pairs of the request's `token_ids_logprob` (None where it asked for none; an input
+    position with nothing to score, the prompt's first token, is None).
     """
 
     prompt_tokens: list[int] = field(default_factory=list)
@@ -153,6 +157,8 @@ class BatchOutputMeta:
     output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
     input_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -231,7 +237,8 @@ class GenerateReqInput:
 
     Exactly one of `text` and `input_ids` is given; each may be one prompt or a batch
     (a list of strings / a list of id lists). `sampling_params`, `rid` and the three
-    logprob fields may be one value for all prompts or a list with one per prompt.
+    logprob fields may be one value for all prompts or a list with one per prompt;
+    `token_ids_logprob` one list of ids for all prompts or a list of such lists.
     """
 
     text: str | list[str] | None = None
@@ -243,6 +250,9 @@ class GenerateReqInput:
     # Input positions from which input logprobs are returned (-1: none, only outputs).
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # With return_logprob: token ids whose logprobs are returned at every position
+    # (SGLang's field; meta_info's input_/output_token_ids_logprobs). Empty means none.
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
 
     @classmethod
@@ -295,6 +305,7 @@ class GenerateReqInput:
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                     raise ValueError(f"{name}: must be an integer >= {lo}")
         n = self.batch_size
+        self._validate_token_ids_logprob(n)
         for name in ("sampling_params", "rid", *_PER_PROMPT_LOGPROB_FIELDS):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -310,6 +321,22 @@ class GenerateReqInput:
                     raise ValueError("rid: must be a non-empty string")
                 if len(rid) > MAX_RID_LENGTH:
                     raise ValueError(f"rid: must be at most {MAX_RID_LENGTH} characters, got {len(rid)}")
+
+    def _validate_token_ids_logprob(self, n: int) -> None:
+        """A list of ids, or (a batch) one list per prompt; an empty list means none."""
+        value = self.token_ids_logprob
+        if not value:
+            self.token_ids_logprob = None
+            return
+        nested = isinstance(value, list) and isinstance(value[0], list)
+        rows = value if nested else [value]
+        if not isinstance(value, list) or not all(
+            isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+            for row in rows
+        ):
+            raise ValueError("token_ids_logprob: must be a list of token ids, or one such list per prompt")
+        if nested and (not self.is_batch or len(value) != n):
+            raise ValueError(f"token_ids_logprob: a list of lists must have one list per prompt ({n})")
 
     @property
     def is_batch(self) -> bool:
@@ -334,8 +361,16 @@ class GenerateReqInput:
             input_ids=self.input_ids[i] if self.input_ids is not None else None,
             sampling_params=pick(self.sampling_params),
             rid=pick(self.rid),
+            token_ids_logprob=self.token_ids_for(i),
             **{name: pick(getattr(self, name)) for name in _PER_PROMPT_LOGPROB_FIELDS},
         )
+
+    def token_ids_for(self, i: int) -> list[int] | None:
+        """The `token_ids_logprob` of prompt i (a flat list applies to every prompt)."""
+        value = self.token_ids_logprob
+        if value and isinstance(value[0], list):
+            return value[i] or None
+        return value or None
 
 
 def _as_list(value: Any) -> list:
@@ -353,7 +388,6 @@ UNSUPPORTED_GENERATE_FIELDS = MappingProxyType({
     "image_data": "image input",
     "video_data": "video input",
     "audio_data": "audio input",
-    "token_ids_logprob": "returning logprobs of chosen token ids",
     "return_hidden_states": "returning hidden states",
     "return_routed_experts": "returning routed experts",
     "return_entropy": "returning entropy",

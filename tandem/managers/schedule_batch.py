@@ -57,6 +57,11 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Token ids whose logprobs are returned at every position (None: none asked for);
+    # per position, their (logprob, token_id) pairs (None: an input position with no score).
+    token_ids_logprob: list[int] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     # Token ids masked until min_new_tokens are generated: its stop token ids and EOS.
     min_tokens_banned: list[int] = field(default_factory=list)
 
@@ -155,6 +160,7 @@ class ScheduleBatch:
             input_logprob_starts=[r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() else -1
                                   for i, r in enumerate(self.reqs)] if extend else None,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
+            token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:

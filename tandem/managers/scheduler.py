@@ -165,7 +165,8 @@ class Scheduler:
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   stream=msg.stream, return_logprob=msg.return_logprob,
-                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num)
+                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
+                  token_ids_logprob=msg.token_ids_logprob)
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.waiting_queue) >= limit:
             req.finished_reason = {"type": "abort", "status_code": 503,
@@ -394,14 +395,15 @@ class Scheduler:
             self.chunked_req = None
         if prefilling:
             self.kv.cache_unfinished(req)
-        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs)
+        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs, /v1/score)
+            if req.return_logprob:  # as SGLang: the next position's top and chosen-id logprobs, no token
+                self._record_output_logprobs(req, result, i, token_id=None)
             req.finished_reason = {"type": "length", "length": 0}
             self.kv.release(req)
             return
         req.output_ids.append(token_id)
         if req.return_logprob:
-            req.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
-            req.output_top_logprobs.append(result.next_top_logprobs[i])
+            self._record_output_logprobs(req, result, i, token_id)
         if req.to_abort is not None:
             req.finished_reason = {"type": "abort", "message": req.to_abort}
         else:
@@ -426,6 +428,17 @@ class Scheduler:
         ids = req.origin_input_ids[req.logprob_start_len :]
         req.input_token_logprobs = list(zip(logprobs.token_logprobs, ids))
         req.input_top_logprobs = logprobs.top_logprobs
+        req.input_token_ids_logprobs = logprobs.token_ids_logprobs
+
+    @staticmethod
+    def _record_output_logprobs(req: Req, result: GenerationBatchResult, i: int, token_id: int | None) -> None:
+        """Record the logprobs of the position after `req`'s last token; `token_id` is the
+        token sampled there (None for a prefill-only request, which gets none)."""
+        if token_id is not None:
+            req.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
+        req.output_top_logprobs.append(result.next_top_logprobs[i])
+        if req.token_ids_logprob is not None:
+            req.output_token_ids_logprobs.append(result.next_token_ids_logprobs[i])
 
     # ---- output --------------------------------------------------------------------
     def send_outputs(self, reqs: list[Req]) -> None:
@@ -467,6 +480,8 @@ class Scheduler:
             "output_top_logprobs": req.output_top_logprobs[req.sent_len :] if logprobs else None,
             "input_token_logprobs": req.input_token_logprobs if logprobs and first else None,
             "input_top_logprobs": req.input_top_logprobs if logprobs and first else None,
+            "output_token_ids_logprobs": req.output_token_ids_logprobs[req.sent_len :] if logprobs else None,
+            "input_token_ids_logprobs": req.input_token_ids_logprobs if logprobs and first else None,
         }
 
     @staticmethod
@@ -478,6 +493,7 @@ class Scheduler:
             "detokenize_params": None, "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens, "retractions": req.retractions, "output_token_logprobs": None,
             "output_top_logprobs": None, "input_token_logprobs": None, "input_top_logprobs": None,
+            "output_token_ids_logprobs": None, "input_token_ids_logprobs": None,
         }
 
 

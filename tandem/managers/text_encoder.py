@@ -32,9 +32,9 @@ class TextEncoder:
         """
         bound = self.max_chars_per_token
         if max_tokens is not None and bound is not None and len(text) > max_tokens * bound:
-            raise ValueError(f"{field}: the prompt is {len(text)} characters long; it would have more than "
-                             f"{max_tokens} tokens (no token covers more than {bound} characters), which "
-                             "cannot fit the context")
+            raise ValueError(f"{field}: the prompt is {len(text)} characters long, so more than {max_tokens} "
+                             f"tokens (no token covers more than {bound} characters): it cannot fit the "
+                             "context length")
         encode = functools.partial(self._encode, text, field, add_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(self._executor, encode)
 

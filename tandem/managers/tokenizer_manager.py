@@ -53,7 +53,8 @@ from tandem.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+_INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 @dataclass
@@ -69,6 +70,8 @@ class ReqState:
     return_text_in_logprobs: bool
     # Top alternatives per position; 0: the top-logprob keys are left out, as in SGLang.
     top_logprobs_num: int = 0
+    # Whether token_ids_logprob was given; if not, its keys are left out, as in SGLang.
+    token_ids_logprob: bool = False
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list] = field(default_factory=lambda: {k: [] for k in LOGPROB_KEYS})
@@ -138,7 +141,8 @@ class TokenizerManager:
             state = ReqState(rid=req.rid, label=label, group=group, prompt_tokens=len(req.input_ids),
                              created=time.time(), return_logprob=item.return_logprob,
                              return_text_in_logprobs=item.return_text_in_logprobs,
-                             top_logprobs_num=req.top_logprobs_num)
+                             top_logprobs_num=req.top_logprobs_num,
+                             token_ids_logprob=req.token_ids_logprob is not None)
             self.rid_to_state[req.rid] = state
             for name in filter(None, (label, group)):
                 self.label_to_rids.setdefault(name, []).append(req.rid)
@@ -204,10 +208,11 @@ class TokenizerManager:
         if state.return_logprob:
             for key in LOGPROB_KEYS:
                 meta[key] = [x for c in chunks for x in c[2][key]] if delta else list(state.logprobs[key])
-            inputs = state.input_logprobs or {"input_token_logprobs": [], "input_top_logprobs": []}
-            meta.update(inputs)
+            meta.update(state.input_logprobs or {k: [] for k in _INPUT_LOGPROB_KEYS})
             if not state.top_logprobs_num:
                 del meta["output_top_logprobs"], meta["input_top_logprobs"]
+            if not state.token_ids_logprob:
+                del meta["output_token_ids_logprobs"], meta["input_token_ids_logprobs"]
         out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
         if self.tokenizer is not None:
             out = {"text": text, **out}
@@ -250,10 +255,15 @@ class TokenizerManager:
             raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
         if obj.top_logprobs_num > self.vocab_size:
             raise ValueError(f"top_logprobs_num: must be <= the vocabulary size ({self.vocab_size})")
+        bad = [t for t in obj.token_ids_logprob or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob: contains out-of-vocabulary token id {bad[0]}; "
+                             f"valid range is [0, {self.vocab_size})")
         return TokenizedGenerateReqInput(
             rid=self._new_rid(), input_ids=input_ids, sampling_params=params, stream=obj.stream, input_text=obj.text,
             return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
-            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0)
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
         """Stop the running request(s) labelled `rid` (every sample of an n > 1 request),
@@ -312,6 +322,7 @@ class TokenizerManager:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.send_to_scheduler.context.destroy(linger=0)  # every socket, and the I/O threads
 
     # ---- outputs -------------------------------------------------------------------
     def _ensure_handle_loop(self) -> None:
@@ -357,12 +368,16 @@ class TokenizerManager:
         if state.return_logprob and msg.output_token_logprobs[i] is not None:
             deltas["output_token_logprobs"] = self._with_text(msg.output_token_logprobs[i], state)
             deltas["output_top_logprobs"] = [self._with_text(top, state) for top in msg.output_top_logprobs[i]]
+            deltas["output_token_ids_logprobs"] = [
+                self._with_text(pairs, state) for pairs in msg.output_token_ids_logprobs[i] or []]
             for key in LOGPROB_KEYS:
                 state.logprobs[key].extend(deltas[key])
             if msg.input_token_logprobs[i] is not None:
                 state.input_logprobs = {
                     "input_token_logprobs": self._with_text(msg.input_token_logprobs[i], state),
                     "input_top_logprobs": [self._with_text(top, state) for top in msg.input_top_logprobs[i]],
+                    "input_token_ids_logprobs": [None if pairs is None else self._with_text(pairs, state)
+                                                 for pairs in msg.input_token_ids_logprobs[i] or []],
                 }
         meta = self._meta(state, finished, msg.prompt_tokens[i], msg.completion_tokens[i], msg.cached_tokens[i],
                           msg.retractions[i], now)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.layers.logits_processor import InputLogprobs, top_logprobs
+from tandem.layers.logits_processor import InputLogprobs, token_ids_logprobs, top_logprobs
 from tandem.managers.schedule_batch import ScheduleBatch
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.server_args import ServerArgs
@@ -23,6 +23,8 @@ class GenerationBatchResult:
     # Filled only for requests that asked for logprobs (else None per request).
     next_token_logprobs: list[float | None] = field(default_factory=list)
     next_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # (logprob, token_id) of each id of the request's token_ids_logprob (None: none asked).
+    next_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     input_logprobs: list[InputLogprobs | None] = field(default_factory=list)
 
 
@@ -55,6 +57,7 @@ class TpModelWorker:
         wanted = [i for i, r in enumerate(batch.reqs) if r.return_logprob]
         result.next_token_logprobs = [None] * batch.batch_size()
         result.next_top_logprobs = [None] * batch.batch_size()
+        result.next_token_ids_logprobs = [None] * batch.batch_size()
         if not wanted:
             return
         rows = torch.tensor(wanted, device=logits.device)
@@ -65,3 +68,6 @@ class TpModelWorker:
         for j, i in enumerate(wanted):
             result.next_token_logprobs[i] = chosen[j]
             result.next_top_logprobs[i] = tops[j][: batch.reqs[i].top_logprobs_num]
+            if batch.reqs[i].token_ids_logprob is not None:
+                result.next_token_ids_logprobs[i] = token_ids_logprobs(
+                    logprobs[j : j + 1], batch.reqs[i].token_ids_logprob)[0]

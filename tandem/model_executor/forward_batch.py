@@ -41,9 +41,11 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     # Per request, EXTEND only: absolute position from which prompt logprobs are
-    # returned (-1: none), and how many top logprobs to return per position.
+    # returned (-1: none), how many top logprobs to return per position, and which
+    # token ids' logprobs to return per position (None: none).
     input_logprob_starts: list[int] | None = None
     top_logprobs_nums: list[int] | None = None
+    token_ids_logprobs: list[list[int] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,10 +4,14 @@ process outlives shutdown() or an interpreter that exits without calling it."""
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 
 import httpx
@@ -45,9 +49,14 @@ def engine(tiny_llama_dir):
     eng = Engine(model_path=str(tiny_llama_dir))
     pids = eng.pids()
     assert len(pids) == 2
+    ipc_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"tandem-ipc-{os.getpid()}-*"))
+    assert ipc_dirs
     yield eng
     eng.shutdown()
     assert _wait_gone(pids) == []
+    # Nothing left behind: no ipc directory, no engine thread.
+    assert not [d for d in ipc_dirs if os.path.exists(d)]
+    assert not [t.name for t in threading.enumerate() if t.name in ("tandem-engine-loop", "child-watchdog")]
 
 
 def test_sync_generate_and_batch(engine):

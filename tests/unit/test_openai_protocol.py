@@ -492,6 +492,10 @@ def test_api_key_middleware(tokenizer):
     assert r.status_code == 401 and r.json()["object"] == "error"
     assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert http.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+        assert http.get("/v1/models", headers={"Authorization": f"{scheme} secret"}).status_code == 200
+    for header in ("Basic secret", "secret", "Bearer", "Bearersecret"):
+        assert http.get("/v1/models", headers={"Authorization": header}).status_code == 401, header
     with pytest.raises(openai.AuthenticationError):
         _client(app, api_key="wrong").models.list()
     assert _client(app, api_key="secret").models.list().data[0].id == MODEL

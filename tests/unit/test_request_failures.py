@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ import zmq
 from tandem.managers.detokenizer_manager import DetokenizerManager
 from tandem.managers.io_struct import (
     AbortReq,
+    BatchOutputMeta,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizeParams,
@@ -150,6 +152,10 @@ def test_scheduler_failing_forward_is_fatal(harness, port_args):
 
 
 # ---- detokenizer ----------------------------------------------------------------------
+# Every per-request field of an output that is None for a request without logprobs.
+NO_LOGPROBS = {f.name: None for f in dataclasses.fields(BatchOutputMeta) if "logprobs" in f.name}
+
+
 def detok_params() -> DetokenizeParams:
     return DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True, stop=[], no_stop_trim=False,
                             stream=True)
@@ -158,10 +164,9 @@ def detok_params() -> DetokenizeParams:
 def token_output(rows: list[tuple[str, list[int], dict | None, DetokenizeParams | None]]) -> BatchTokenIDOutput:
     out = BatchTokenIDOutput()
     for rid, ids, finished, params in rows:
-        out.append(rids=rid, new_token_ids=ids, finished_reasons=finished, detokenize_params=params,
-                   prompt_tokens=2, completion_tokens=len(ids), cached_tokens=0, retractions=0,
-                   output_token_logprobs=None, output_top_logprobs=None, input_token_logprobs=None,
-                   input_top_logprobs=None)
+        out.append(**{**NO_LOGPROBS, "rids": rid, "new_token_ids": ids, "finished_reasons": finished,
+                      "detokenize_params": params, "prompt_tokens": 2, "completion_tokens": len(ids),
+                      "cached_tokens": 0, "retractions": 0})
     return out
 
 
@@ -185,10 +190,10 @@ def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_a
 
 # ---- tokenizer manager ------------------------------------------------------------------
 def str_output(rid: str, text: str, ids: list[int], finished: dict | None, logprobs=None) -> BatchStrOutput:
-    return BatchStrOutput(rids=[rid], text_deltas=[text], new_token_ids=[ids], finished_reasons=[finished],
-                          prompt_tokens=[3], completion_tokens=[len(ids)], cached_tokens=[0], retractions=[0],
-                          output_token_logprobs=[logprobs], output_top_logprobs=[[[]] * len(ids) if logprobs else None],
-                          input_token_logprobs=[None], input_top_logprobs=[None])
+    lists = {name: [value] for name, value in NO_LOGPROBS.items()}
+    return BatchStrOutput(**{**lists, "output_token_logprobs": [logprobs]}, rids=[rid], text_deltas=[text],
+                          new_token_ids=[ids], finished_reasons=[finished], prompt_tokens=[3],
+                          completion_tokens=[len(ids)], cached_tokens=[0], retractions=[0])
 
 
 async def _generate(tm: TokenizerManager, **kwargs):

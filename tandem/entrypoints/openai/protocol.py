@@ -11,6 +11,7 @@ Unknown fields are ignored, as most OpenAI-compatible servers do.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
@@ -272,3 +273,105 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /v1/score (SGLang's) -----------------------------------------------------------
+
+
+class ScoringRequest(BaseModel):
+    """SGLang's /v1/score body: the probability of each label token right after
+    query + item (item + query with `item_first`), for every item. Text or token ids."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    query: str | list[StrictInt] | None = None
+    items: str | list[str] | list[list[StrictInt]] | None = None
+    label_token_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    apply_softmax: bool = False
+    temperature: float = 1.0
+    return_token_logprobs: bool = False
+    item_first: bool = False
+    model: str = "default"
+    # Not supported here (SGLang's embedding overrides, setwise readout, hidden states).
+    embed_override_token_id: int | None = None
+    query_embed_overrides: list[Any] | None = None
+    item_embed_overrides: list[Any] | None = None
+    score_extraction_token: str | None = None
+    return_pooled_hidden_states: bool = False
+
+    def unsupported_fields(self) -> list[str]:
+        names = ("embed_override_token_id", "query_embed_overrides", "item_embed_overrides", "score_extraction_token")
+        return [name for name in names if getattr(self, name) is not None]
+
+
+class ScoringResponse(BaseModel):
+    scores: list[list[float]]
+    pooled_hidden_states: None = None
+    token_logprobs: list[list[float]] | None = None
+    model: str
+    usage: UsageInfo | None = None
+    object: Literal["scoring"] = "scoring"
+
+
+# ---- /v1/responses (OpenAI's Responses API, plain text) ------------------------------
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API body, the plain-text part: `input` (a string, or a list of
+    messages with text content), `instructions`, `max_output_tokens`, sampling, `stream`.
+    Tools, background mode, stored responses and other features are accepted only with
+    their neutral value; `unsupported_fields()` names the others."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    store: bool | None = True  # accepted; responses are not kept (no GET /v1/responses/{id})
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = True
+    service_tier: str | None = None  # accepted and ignored
+    request_id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")  # SGLang's extra
+    # SGLang's sampling extras.
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = None
+    top_k: StrictInt | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    # Not supported: only the neutral value is accepted.
+    background: bool | None = False
+    previous_response_id: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = "auto"
+    max_tool_calls: int | None = None
+    include: list[Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    top_logprobs: int | None = 0
+    truncation: str | None = "disabled"
+    conversation: Any = None
+    prompt: Any = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Names of fields set to a value Tandem cannot honour, in declaration order."""
+        neutral = {
+            "background": lambda v: not v,
+            "previous_response_id": lambda v: v is None,
+            "tools": lambda v: not v,
+            "tool_choice": lambda v: v in (None, "auto", "none"),
+            "max_tool_calls": lambda v: v is None,
+            "include": lambda v: not v,
+            "reasoning": lambda v: not v or v.get("effort") in (None, "none"),
+            "text": lambda v: not v or (v.get("format") or {}).get("type", "text") == "text",
+            "top_logprobs": lambda v: not v,
+            "truncation": lambda v: v in (None, "disabled"),
+            "conversation": lambda v: v is None,
+            "prompt": lambda v: v is None,
+        }
+        return [name for name, ok in neutral.items() if not ok(getattr(self, name))]

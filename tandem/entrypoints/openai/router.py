@@ -1,7 +1,8 @@
 """Mounts the OpenAI-compatible API on the FastAPI app, plus the `--api-key` middleware.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /v1/models/{id}, POST /tokenize and /detokenize (also under /v1/). Errors use OpenAI's shape
+GET /v1/models/{id}, POST /tokenize and /detokenize (also under /v1/), POST /v1/score
+(SGLang's), POST /v1/responses. Errors use OpenAI's shape
 (see `errors.py`), for these routes and for unknown routes (404).
 """
 
@@ -15,10 +16,12 @@ from fastapi.responses import Response
 
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers, json_response
 from tandem.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, ScoringRequest, TokenizeRequest,
 )
 from tandem.entrypoints.openai.serving_chat import ChatServing
 from tandem.entrypoints.openai.serving_completions import CompletionServing
+from tandem.entrypoints.openai.serving_responses import ResponsesServing
+from tandem.entrypoints.openai.serving_score import handle_score
 from tandem.entrypoints.openai import serving_models
 
 # Routes reachable without the API key (load balancers and monitoring).
@@ -40,6 +43,7 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
     install_error_handlers(app)
     chat = ChatServing(tm, server_args, load_chat_template(getattr(server_args, "chat_template", None)))
     completions = CompletionServing(tm, server_args)
+    responses = ResponsesServing(chat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
@@ -48,6 +52,14 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
     @app.post("/v1/completions")
     async def completions_route(request: Request, req: CompletionRequest) -> Response:
         return await completions.handle(request, req)
+
+    @app.post("/v1/score")
+    async def score_route(request: Request, req: ScoringRequest) -> Response:
+        return await handle_score(tm, request, req)
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request, req: ResponsesRequest) -> Response:
+        return await responses.handle(request, req)
 
     @app.get("/v1/models")
     async def models() -> Response:
