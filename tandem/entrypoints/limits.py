@@ -27,7 +27,7 @@ class BodySizeLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send, f"{int(length)} bytes")
+            await self._refuse(scope, receive, send, f"{int(length)} bytes, ")
             return
         messages: list[Message] = []
         size = 0
@@ -38,15 +38,14 @@ class BodySizeLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send, f"more than {self.max_bytes} bytes")
+                await self._refuse(scope, receive, send, "")
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
-        message = (f"request body: {size} is larger than the limit of {self.max_bytes} bytes "
-                   "(--max-request-body-bytes)")
+        message = f"request body: {size}larger than the limit of {self.max_bytes} bytes (--max-request-body-bytes)"
         response = self.error(scope["path"], message, 413)
         response.headers["connection"] = "close"  # the rest of the body is not read
         await response(scope, receive, send)
