@@ -47,8 +47,11 @@ def test_greedy_matches_transformers(model_fixture, linear_backend, request):
         assert out["output_ids"] == ref, f"prompt {prompt!r}"
         assert out["meta_info"]["prompt_tokens"] == len(hf_reference.encode(model_dir, prompt))
         assert out["meta_info"]["completion_tokens"] == len(ref)
+        # The text is what the output ids add to the prompt's text (SGLang's rule).
         tok, _ = hf_reference.load(str(model_dir))
-        assert out["text"] == tok.decode(ref, skip_special_tokens=True)
+        ids = hf_reference.encode(model_dir, prompt)
+        prompt_text = tok.decode(ids, skip_special_tokens=True)
+        assert prompt_text + out["text"] == tok.decode(ids + ref, skip_special_tokens=True)
 
 
 def test_stories_greedy_text_is_english(stories_dir):

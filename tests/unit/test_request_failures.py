@@ -90,6 +90,10 @@ class SchedulerHarness:
                     finishes[rid] = reason
         return finishes
 
+    def close(self) -> None:
+        self.outputs.close()
+        self.scheduler.recv_from_tokenizer.context.destroy(linger=0)
+
     def assert_memory_idle(self) -> None:
         state = self.scheduler.server_state("check")
         assert state.num_running_reqs == state.num_waiting_reqs == 0
@@ -98,8 +102,10 @@ class SchedulerHarness:
 
 
 @pytest.fixture
-def harness(tiny_llama_dir, port_args) -> SchedulerHarness:
-    return SchedulerHarness(tiny_llama_dir, port_args)
+def harness(tiny_llama_dir, port_args):
+    h = SchedulerHarness(tiny_llama_dir, port_args)
+    yield h
+    h.close()
 
 
 GOOD = {"type": "length", "length": 6}
@@ -172,6 +178,13 @@ def token_output(rows: list[tuple[str, list[int], dict | None, DetokenizeParams 
 
 def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_args):
     manager = DetokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args)
+    try:
+        _check_detokenizer_wall(manager)
+    finally:
+        manager.recv_from_scheduler.context.destroy(linger=0)
+
+
+def _check_detokenizer_wall(manager: DetokenizerManager) -> None:
     huge = 2**40  # decode() raises OverflowError
     out = manager.handle_batch_token_id_out(token_output([
         ("good", [5, 6], None, detok_params()), ("bad", [5, huge], None, detok_params())]))
@@ -244,5 +257,7 @@ def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llam
             assert tm.rid_to_state == {} and tm.label_to_rids == {}
         finally:
             await tm.close()
+            tm.send_to_scheduler.context.destroy(linger=0)
 
     asyncio.run(run())
+    scheduler_in.close()
