@@ -1,25 +1,41 @@
 """Linear layers that tensor parallelism splits; with tp_size 1 they are plain linears.
 
-Each parameter carries a `weight_loader(param, loaded_weight, shard_id)` that copies the
-part of a checkpoint tensor this rank owns into the right place:
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies the part of
+a checkpoint tensor this rank owns into the right place (reading only that part from
+the file, `tandem.layers.weight_shard`):
   ColumnParallelLinear  splits the output dim; no communication.
   RowParallelLinear     splits the input dim; all-reduces the partial outputs.
   MergedColumnParallelLinear / QKVParallelLinear fuse several column layers (gate+up,
   q+k+v) into one matmul; `shard_id` names which part a checkpoint tensor is.
-  ReplicatedLinear      the whole weight on every rank (the LM head).
+  QKVParallelLinear splits the attention heads (`HeadSplit`): query heads evenly, KV
+  heads evenly too, or, with fewer KV heads than ranks, one KV head per rank,
+  replicated on `tp_size / num_kv_heads` ranks.
+  ReplicatedLinear      the whole weight on every rank.
 
-After loading, `process_weights_after_loading(backend)` picks the matmul kernel
-(`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the weight, and
-`weight` is then left empty unless the caller keeps it (a head tied to the embedding).
+After loading, `process_weights_after_loading(backend)` picks the matmul kernel for this
+rank's shard (`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the
+weight, and `weight` is then left empty unless the caller keeps it (a head tied to the
+embedding).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
+from tandem.layers.weight_shard import read_shard, read_whole
+
+
+def divide(total: int, tp_size: int, what: str) -> int:
+    """`total / tp_size`, or ValueError naming `what` when tp_size does not divide it."""
+    if total % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's {what} ({total})")
+    return total // tp_size
 
 
 class LinearBase(nn.Module):
@@ -61,12 +77,11 @@ class LinearBase(nn.Module):
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        assert out_features % tp_size == 0
-        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+        super().__init__(in_features, divide(out_features, tp_size, "output size"), bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        param.data.copy_(read_shard(loaded, 0, self.tp_rank * size, size))
 
 
 class ReplicatedLinear(LinearBase):
@@ -76,13 +91,12 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, out_features, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(loaded)
+        param.data.copy_(read_whole(loaded))
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        assert in_features % tp_size == 0
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+        super().__init__(divide(in_features, tp_size, "input size"), out_features, bias, tp_rank, tp_size)
 
     def _kernel_bias(self) -> torch.Tensor | None:
         return None
@@ -90,38 +104,71 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            out = tensor_model_parallel_all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias is not split
-            param.data.copy_(loaded)
+            param.data.copy_(read_whole(loaded))
             return
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(LinearBase):
-    """Several column layers of the same input fused along the output dim."""
+    """Several column layers of the same input fused along the output dim. Part i takes
+    `shard_sizes[i]` rows of this rank's weight, read from row `shard_starts[i]` of the
+    part's checkpoint tensor."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
-        assert all(s % tp_size == 0 for s in output_sizes)
-        self.shard_sizes = [s // tp_size for s in output_sizes]
-        super().__init__(in_features, sum(self.shard_sizes), bias, tp_rank, tp_size)
+        sizes = [divide(s, tp_size, "fused output sizes") for s in output_sizes]
+        self._init_parts(in_features, sizes, [tp_rank * s for s in sizes], bias, tp_rank, tp_size)
+
+    def _init_parts(self, in_features: int, sizes: list[int], starts: list[int], bias: bool,
+                    tp_rank: int, tp_size: int) -> None:
+        self.shard_sizes, self.shard_starts = sizes, starts
+        LinearBase.__init__(self, in_features, sum(sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        param.data.narrow(0, offset, size).copy_(read_shard(loaded, 0, self.shard_starts[shard_id], size))
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The attention heads one rank holds: query heads `[rank * num_heads, ...)`, KV heads
+    `[kv_head_start, kv_head_start + num_kv_heads)` of the checkpoint's."""
+
+    num_heads: int
+    num_kv_heads: int
+    kv_head_start: int
+
+    @classmethod
+    def of(cls, total_heads: int, total_kv_heads: int, tp_rank: int, tp_size: int) -> "HeadSplit":
+        """Query heads split evenly; KV heads too when there are at least as many as
+        ranks, else each rank holds the one KV head its query heads attend to (a query
+        head h attends to KV head h * total_kv_heads // total_heads)."""
+        num_heads = divide(total_heads, tp_size, "attention heads")
+        if total_kv_heads >= tp_size:
+            per_rank = divide(total_kv_heads, tp_size, "KV heads")
+            return cls(num_heads, per_rank, tp_rank * per_rank)
+        if tp_size % total_kv_heads:
+            raise ValueError(f"--tp-size {tp_size} is not a multiple of the model's KV heads ({total_kv_heads})")
+        return cls(num_heads, 1, tp_rank * total_kv_heads // tp_size)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections in one matmul; shard_id is "q", "k" or "v"."""
+    """q, k and v projections in one matmul; shard_id is "q", "k" or "v". `heads` says
+    which heads this rank holds (KV heads replicated when fewer than the ranks)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+        self.heads = HeadSplit.of(num_heads, num_kv_heads, tp_rank, tp_size)
+        q_size, kv_size = self.heads.num_heads * head_dim, self.heads.num_kv_heads * head_dim
+        kv_start = self.heads.kv_head_start * head_dim
+        self._init_parts(hidden_size, [q_size, kv_size, kv_size], [tp_rank * q_size, kv_start, kv_start],
                          bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, shard_id=None):

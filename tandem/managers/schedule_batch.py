@@ -3,10 +3,15 @@
 `Req` lives in the scheduler from admission until it finishes. KV bookkeeping per req:
   req_pool_idx  its row in the ReqToTokenPool (None while waiting)
   kv_len        leading tokens of seq_ids whose KV is in the pool
-While decoding, kv_len == len(seq_ids) - 1: the newest output token has no KV yet; the
-next decode step computes it. A prefill (EXTEND) computes seq_ids[kv_len:kv_len+extend_len]
-(a chunk of the prompt under chunked prefill, or prompt + outputs when a retracted request
-resumes).
+  pending_tokens tokens sampled by launched forwards whose results are not yet processed
+Lengths advance when a batch is launched (`ScheduleBatch.launch`), not when its result
+arrives: kv_len counts the KV that launched forwards compute. Once every result is in,
+kv_len == len(seq_ids) - 1 while decoding (the newest output token gets its KV in the
+next decode). Under the overlap loop a decode is launched before the previous one's
+result is processed; its input is then a placeholder for that pending token, resolved
+on the compute side from the worker's `FutureMap`. A prefill (EXTEND) computes
+seq_ids[kv_len:kv_len+extend_len] (a chunk of the prompt under chunked prefill, or
+prompt + outputs when a retracted request resumes).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 
 from tandem.layers.sampler import SamplingBatchInfo
+from tandem.managers.future_map import FutureMap
 from tandem.managers.io_struct import DetokenizeParams
 from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
@@ -36,6 +42,7 @@ class Req:
     finished_reason: dict[str, Any] | None = None
     req_pool_idx: int | None = None
     kv_len: int = 0
+    pending_tokens: int = 0
     # Prefix-cache state (see mem_cache/req_kv.py): locked node and cache-owned length.
     last_node: Any = None
     cache_owned_len: int = 0
@@ -83,6 +90,19 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def launched_output_len(self) -> int:
+        """Output tokens once every launched forward's result is in (seeds and
+        min_new_tokens count these, so they match whether or not results are pending)."""
+        return len(self.output_ids) + self.pending_tokens
+
+    def launched_output_ids(self) -> list[int]:
+        """output_ids followed by a placeholder for each pending token (see FutureMap)."""
+        if not self.pending_tokens:
+            return self.output_ids
+        assert self.pending_tokens == 1, "at most one forward of a request is pending"
+        return self.output_ids + [FutureMap.placeholder(self.req_pool_idx)]
 
     def detokenize_params(self) -> DetokenizeParams:
         sp = self.sampling_params

@@ -41,6 +41,7 @@ from tandem.managers.io_struct import (
     error_finish_reason,
 )
 from tandem.managers.schedule_batch import Req, ScheduleBatch
+from tandem.managers.scheduler_io import SchedulerIO, SchedulerIOBase
 from tandem.managers.schedule_policy import NewTokenRatio, SchedulePolicy, expected_future_tokens
 from tandem.managers.forward_watchdog import ForwardWatchdog
 from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -67,9 +68,13 @@ IN_BATCH_PREFIX_MIN = 16
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0, forward_stamp: Any = None):
+    def __init__(self, server_args: ServerArgs, io: SchedulerIOBase, worker: TpModelWorker | None = None,
+                 tp_rank: int = 0, forward_stamp: Any = None):
+        """`io` receives and sends every message; `worker` runs the forwards (built from
+        `server_args` when not given: tests inject their own)."""
         self.server_args = server_args
-        self.worker = TpModelWorker(server_args, tp_rank=tp_rank)
+        self.io = io
+        self.worker = worker if worker is not None else TpModelWorker(server_args, tp_rank=tp_rank)
         runner = self.worker.model_runner
         self.device = runner.device
         self.max_running_requests = runner.max_running_requests
@@ -96,12 +101,6 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.last_batch_was_chunk = False
 
-        ctx = zmq.Context(2)
-        self.recv_from_tokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
-        self.send_to_detokenizer = zmq_io.make_socket(ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False)
-        self.send_to_tokenizer = zmq_io.make_socket(ctx, zmq.PUSH, port_args.scheduler_to_tokenizer, bind=False)
-        self.poller = zmq.Poller()
-        self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
 
     def info(self) -> dict:
         """Resolved capacities reported to the parent at start-up."""
@@ -119,7 +118,7 @@ class Scheduler:
             self.process_input_requests(self.recv_requests())
             batch = self.get_next_batch_to_run()
             if batch is None:
-                self.poller.poll(IDLE_POLL_MS)
+                self.io.wait(IDLE_POLL_MS)
                 continue
             with self.watchdog.watching(batch):
                 result = self.run_batch(batch)
@@ -128,7 +127,7 @@ class Scheduler:
 
     # ---- input ---------------------------------------------------------------------
     def recv_requests(self) -> list:
-        return zmq_io.recv_nowait(self.recv_from_tokenizer)
+        return self.io.recv()
 
     def process_input_requests(self, reqs: list) -> None:
         """Handle each message; one that raises ends only its own request (DESIGN.md §9)."""
@@ -144,11 +143,11 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self.handle_abort(msg)
         elif isinstance(msg, GetServerStateReq):
-            zmq_io.send(self.send_to_tokenizer, self.server_state(msg.request_id))
+            self.io.send_reply(self.server_state(msg.request_id))
         elif isinstance(msg, FlushCacheReq):
-            zmq_io.send(self.send_to_tokenizer, self.flush_cache(msg.request_id))
+            self.io.send_reply(self.flush_cache(msg.request_id))
         elif isinstance(msg, ProfileReq):
-            zmq_io.send(self.send_to_tokenizer, self.profiler.handle(msg))
+            self.io.send_reply(self.profiler.handle(msg))
         else:
             logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -460,7 +459,7 @@ class Scheduler:
             req.sent_len = len(req.output_ids)
             req.sent_detokenize_params = True
         if out.rids:
-            zmq_io.send(self.send_to_detokenizer if self.tokenizer is not None else self.send_to_tokenizer, out)
+            self.io.send_output(out)
 
     @staticmethod
     def _output_record(req: Req) -> dict:
@@ -509,7 +508,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
     try:
-        scheduler = Scheduler(server_args, port_args, tp_rank, forward_stamp)
+        io = SchedulerIO(port_args, server_args.skip_tokenizer_init)
+        scheduler = Scheduler(server_args, io, tp_rank=tp_rank, forward_stamp=forward_stamp)
     except Exception as e:  # report the start-up failure, then exit
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process="scheduler", ok=False, error=f"{type(e).__name__}: {e}"))

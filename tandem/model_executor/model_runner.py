@@ -2,6 +2,11 @@
 
 It knows nothing about requests: the scheduler hands it a `ForwardBatch` and receives
 logits; sampling is a separate call so the caller decides what to sample with.
+
+Under tensor parallelism there is one ModelRunner per rank, in a process that has joined
+the TP group (`tandem.distributed.init_tp_group`): it builds and loads its shard of the
+model, and sizes its KV pool (its share of the KV heads) to the smallest size any rank
+can hold, so that every rank admits the same requests.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import psutil
 import torch
 
+from tandem.distributed import tensor_model_parallel_min
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
@@ -47,6 +53,7 @@ class ModelRunner:
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config, self.device)
         self.vocab_size = self.config.vocab_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         torch.manual_seed(server_args.random_seed)
         self._load_model(tp_rank, tp_size)
         self.context_len = server_args.context_length or self.config.max_position_embeddings
@@ -85,6 +92,8 @@ class ModelRunner:
         else:
             total = self._tokens_from_memory(per_token)
             total = min(total, max_running * self.context_len)
+            if self.tp_size > 1:
+                total = tensor_model_parallel_min(total, self.device)
         if total < 2:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise --max-total-tokens")
         self.max_total_num_tokens = total
@@ -101,8 +110,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info()
             used_by_others = total - free
             budget = total * (frac or 0.85) - used_by_others
-        else:
-            budget = psutil.virtual_memory().available * (frac or CPU_DEFAULT_MEM_FRACTION)
+        else:  # the ranks of a TP group share this machine's RAM
+            budget = psutil.virtual_memory().available * (frac or CPU_DEFAULT_MEM_FRACTION) / self.tp_size
         return int(max(budget, 0) // per_token)
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:

@@ -3,6 +3,11 @@
 One implementation covers the family; the differences are read from the config:
 q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, GQA, head_dim,
 RoPE scaling. The forward takes the `ForwardBatch` explicitly: no global state.
+
+Under tensor parallelism each rank holds its share of the attention heads (KV heads
+replicated when there are fewer than ranks: `layers/linear.py`, `HeadSplit`), of the
+MLP's intermediate size and of the vocabulary; the norms are replicated. Every rank
+ends with the same full logits.
 """
 
 from __future__ import annotations
@@ -16,14 +21,10 @@ from torch import nn
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from tandem.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.mem_cache.memory_pool import TokenToKVPool
 from tandem.model_executor.forward_batch import ForwardBatch
 
@@ -54,13 +55,12 @@ class LlamaAttention(nn.Module):
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        self.num_heads = total_heads // tp_size
-        self.num_kv_heads = max(1, total_kv_heads // tp_size)
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias, tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias, tp_rank, tp_size)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, False, tp_rank, tp_size)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -112,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, tp_rank: int, tp_size: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers)]
         )
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, tp_rank, tp_size)
         self.logits_processor = LogitsProcessor()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if self.tie_word_embeddings:
             # One parameter under two names; the checkpoint's lm_head.weight (if any) is skipped.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -161,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions, fb, ctx)
         return self.logits_processor(hidden, self.lm_head, fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy each checkpoint tensor's part that this rank owns into its parameter."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -173,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, param_part)
                     param = params[target]
-                    param.weight_loader(param, tensor.to(param.dtype), shard_id)
+                    param.weight_loader(param, tensor, shard_id)
                     loaded.add(target)
                     break
             else:
@@ -182,9 +183,9 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name]
                 loader = getattr(param, "weight_loader", None)
                 if loader is not None:
-                    loader(param, tensor.to(param.dtype))
+                    loader(param, tensor)
                 else:
-                    param.data.copy_(tensor)
+                    param.data.copy_(read_whole(tensor))
                 loaded.add(name)
         missing = set(params) - loaded
         if missing:

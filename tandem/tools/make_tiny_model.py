@@ -38,7 +38,8 @@ Special-token ids are the same for both archs: 0 ``<unk>``, 1 ``<s>`` (BOS),
 256 byte tokens (ids 6..261) and the learned pieces. Vocabulary sizes: 1536
 (llama), 1531 (qwen2, where the corpus runs out of merges); every preset uses
 the same tokenizer. Presets (hidden/intermediate/layers/heads/kv heads):
-tiny 64/172/3/4/2 (~0.3M params), 7m 256/768/8/8/4, 100m 768/2816/12/12/4.
+tiny 64/172/3/4/2 (~0.3M params), tiny-mqa 64/172/3/4/1, 7m 256/768/8/8/4,
+100m 768/2816/12/12/4.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2),
+    # One KV head (multi-query attention): tensor parallelism must replicate it.
+    "tiny-mqa": Preset(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=1),
     "7m": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=4),
     "100m": Preset(hidden_size=768, intermediate_size=2816, num_hidden_layers=12,

@@ -5,12 +5,15 @@ finish reasons, logprob entries and SSE framing."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import orjson
+from fastapi.responses import Response, StreamingResponse
+
+from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 
 from tandem.entrypoints.openai.errors import OpenAIError
-from tandem.entrypoints.streams import Refused, refusal
+from tandem.entrypoints.streams import Refused, last_outputs, refusal
 from tandem.entrypoints.streams import admitted_streams as _admitted_streams
 from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from tandem.managers.io_struct import GenerateReqInput
@@ -151,6 +154,25 @@ def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
     refused = refusal(outputs)
     if refused is not None:
         raise OpenAIError(refused[0], refused[1])
+
+
+async def respond(request, streams: list[AsyncIterator[dict[str, Any]]], stream: bool,
+                  body: Callable[[list], AsyncIterator[bytes]],
+                  build: Callable[[list[dict[str, Any]]], Response]) -> Response:
+    """The tail every generating OpenAI route shares: with `stream`, an SSE response of
+    `body(streams)` once the scheduler admitted the request; otherwise `build(outputs)` of
+    the final outputs. 499 when the client left first; OpenAIError (503) when refused."""
+    if stream:
+        streams = await admitted_streams(request, streams)
+        if streams is None:
+            return Response(status_code=499)
+        return StreamingResponse(body(streams), media_type="text/event-stream")
+    try:
+        outputs = await await_or_disconnect(request, last_outputs(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    raise_if_refused(outputs)
+    return build(outputs)
 
 
 def error_event(message: str, status: int = 500) -> bytes:

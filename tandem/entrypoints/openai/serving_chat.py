@@ -14,13 +14,12 @@ from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.streams import merge_streams
 from tandem.entrypoints.openai.common import (
-    admitted_streams, raise_if_refused, SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
-    open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
+    SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
+    open_streams, random_id, respond, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
 from tandem.entrypoints.openai.protocol import (
@@ -216,21 +215,13 @@ class ChatServing:
             raise from_value_error(e, _PROMPT_FIELD) from e
         req_id, n = random_id("chatcmpl"), req.n or 1
         model = req.model  # any name is served, as in SGLang
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,
-                                       self.tm.tokenizer)
-            streams = await admitted_streams(request, streams)
-            if streams is None:
-                return Response(status_code=499)
-            return StreamingResponse(_stream_body(conv, streams), media_type="text/event-stream")
-        try:
-            outputs = await await_or_disconnect(request, last_outputs(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        raise_if_refused(outputs)
-        resp = build_chat_response(req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer)
-        return json_response(resp.model_dump())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,
+                                   self.tm.tokenizer)
+        return await respond(
+            request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
+            lambda outputs: json_response(build_chat_response(
+                req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer).model_dump()))
 
 
 async def _stream_body(conv: ChatStreamConverter, streams) -> AsyncIterator[bytes]:

@@ -15,13 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.streams import merge_streams
 from tandem.entrypoints.openai.common import (
-    admitted_streams, raise_if_refused, SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
-    open_streams, random_id, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
+    SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
+    open_streams, random_id, respond, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
 from tandem.entrypoints.openai.protocol import (
@@ -227,22 +226,13 @@ class CompletionServing:
         req_id, n = random_id("cmpl"), req.n or 1
         model = req.model  # any name is served, as in SGLang
         with_logprobs = req.logprobs is not None
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            conv = CompletionStreamConverter(req_id, model, prompts, n, bool(req.echo), with_logprobs,
-                                             include_usage, self.tm.tokenizer)
-            streams = await admitted_streams(request, streams)
-            if streams is None:
-                return Response(status_code=499)
-            return StreamingResponse(_stream_body(conv, streams), media_type="text/event-stream")
-        try:
-            outputs = await await_or_disconnect(request, last_outputs(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        raise_if_refused(outputs)
-        resp = build_completion_response(req_id, model, outputs, prompts, n, bool(req.echo), with_logprobs,
-                                         self.tm.tokenizer)
-        return json_response(resp.model_dump())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        conv = CompletionStreamConverter(req_id, model, prompts, n, bool(req.echo), with_logprobs,
+                                         include_usage, self.tm.tokenizer)
+        return await respond(
+            request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
+            lambda outputs: json_response(build_completion_response(
+                req_id, model, outputs, prompts, n, bool(req.echo), with_logprobs, self.tm.tokenizer).model_dump()))
 
 
 async def _stream_body(conv: CompletionStreamConverter, streams) -> AsyncIterator[bytes]:

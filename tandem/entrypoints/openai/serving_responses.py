@@ -23,14 +23,13 @@ from typing import Any, AsyncIterator
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.openai.common import admitted_streams, open_streams, raise_if_refused, resolve_max_tokens
+from tandem.entrypoints.openai.common import open_streams, resolve_max_tokens, respond
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
 from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
-from tandem.entrypoints.streams import last_outputs, merge_streams
+from tandem.entrypoints.streams import merge_streams
 from tandem.managers.io_struct import GenerateReqInput
 
 logger = logging.getLogger(__name__)
@@ -229,22 +228,16 @@ class ResponsesServing:
             raise from_value_error(e, {"text/input_ids": "input", "input_ids": "input", "max_tokens":
                                        "max_output_tokens"}) from e
         model, created = req.model or self.chat.server_args.served_model_name or "default", int(time.time())
-        if req.stream:
-            streams = await admitted_streams(request, streams)
-            if streams is None:
-                return Response(status_code=499)
-            conv = ResponsesStreamConverter(req, model, created)
-            return StreamingResponse(_stream_body(conv, streams), media_type="text/event-stream")
-        try:
-            outputs = await await_or_disconnect(request, last_outputs(streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        raise_if_refused(outputs)
-        out = outputs[0]
-        meta = out["meta_info"]
-        text = out.get("text") or ""
-        output = [message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text else []
-        return json_response(response_object(req, model, created, status_of(meta), output, meta))
+        conv = ResponsesStreamConverter(req, model, created)
+        return await respond(request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
+                             lambda outputs: json_response(final_response(req, model, created, outputs[0])))
+
+
+def final_response(req: ResponsesRequest, model: str, created: int, out: dict[str, Any]) -> dict[str, Any]:
+    """The response object of a finished (non-streamed) generation."""
+    text = out.get("text") or ""
+    output = [message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text else []
+    return response_object(req, model, created, status_of(out["meta_info"]), output, out["meta_info"])
 
 
 async def _stream_body(conv: ResponsesStreamConverter, streams) -> AsyncIterator[bytes]:

@@ -1,0 +1,83 @@
+"""The embedding and the LM head, split along the vocabulary across tensor-parallel ranks.
+
+The vocabulary is padded to a multiple of tp_size (no padding with one rank) and rank r
+holds rows `[r * shard, (r + 1) * shard)`; rows past the real vocabulary are zeros.
+- `VocabParallelEmbedding`: each rank looks up the ids in its rows (zeros for the
+  others) and the ranks' vectors are summed (all-reduce): the same bytes as a lookup in
+  the whole table.
+- `ParallelLMHead`: each rank multiplies by its rows; the logits are all-gathered and the
+  padding cut, so every rank holds the same full logits (and samples the same token).
+A head tied to the embedding shares its parameter: both are split the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from tandem.layers.linear import LinearBase
+from tandem.layers.weight_shard import CheckpointTensor, read_shard
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rows `[start, start + size)` of the padded vocabulary; `[start, end)` are real tokens."""
+
+    vocab_size: int
+    start: int
+    end: int
+    size: int
+
+    @classmethod
+    def of(cls, vocab_size: int, tp_rank: int, tp_size: int) -> "VocabShard":
+        size = -(-vocab_size // tp_size)
+        start = tp_rank * size
+        return cls(vocab_size, start, max(start, min(start + size, vocab_size)), size)
+
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        """Copy this shard's rows of a [vocab, hidden] checkpoint tensor; zero the padding."""
+        real = self.end - self.start
+        if real:
+            param.data[:real].copy_(read_shard(loaded, 0, self.start, real))
+        param.data[real:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.tp_size = tp_size
+        self.shard = VocabShard.of(num_embeddings, tp_rank, tp_size)
+        self.weight = nn.Parameter(torch.empty(self.shard.size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        self.shard.load(param, loaded)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.shard.start) | (ids >= self.shard.start + self.shard.size)
+        local = (ids - self.shard.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(LinearBase):
+    """hidden [n, hidden] -> logits [n, vocab] on every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+        self.shard = VocabShard.of(vocab_size, tp_rank, tp_size)
+        super().__init__(hidden_size, self.shard.size, False, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
+        self.shard.load(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.matmul(x)
+        if self.tp_size == 1:
+            return logits
+        return tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.shard.vocab_size]

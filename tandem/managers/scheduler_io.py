@@ -1,0 +1,66 @@
+"""The scheduler's I/O behind one small object (DESIGN.md §4, last bullet).
+
+The scheduler never touches a socket: it calls `recv` for the messages that arrived,
+`wait` when it has nothing to run, `send_output` for each step's `BatchTokenIDOutput`
+and `send_reply` for the answers to control messages. So the loop runs in-process
+against any object with these four methods (tests use an in-memory one), and tensor
+parallelism can wrap this one: rank 0 receives and broadcasts the list to the other
+ranks, which receive by broadcast and send nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import zmq
+
+from tandem.server_args import PortArgs
+from tandem.utils import zmq_io
+
+
+class SchedulerIOBase(Protocol):
+    def recv(self) -> list[Any]:
+        """Every message that has arrived, without blocking (possibly none)."""
+
+    def wait(self, timeout_ms: int) -> None:
+        """Block until a message may have arrived, or `timeout_ms` has passed (idle)."""
+
+    def send_output(self, out: Any) -> None:
+        """One step's `BatchTokenIDOutput`: to the detokenizer, or straight to the
+        tokenizer manager under --skip-tokenizer-init."""
+
+    def send_reply(self, msg: Any) -> None:
+        """The answer to a control message, to the tokenizer manager."""
+
+    def close(self) -> None:
+        """Close the sockets (the process is ending, or a test is done)."""
+
+
+class SchedulerIO:
+    """The ZeroMQ sockets of scheduler rank 0 (see docs/architecture.md for the endpoints)."""
+
+    def __init__(self, port_args: PortArgs, skip_tokenizer_init: bool):
+        self._ctx = zmq.Context(2)
+        self._recv = zmq_io.make_socket(self._ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
+        self._to_tokenizer = zmq_io.make_socket(self._ctx, zmq.PUSH, port_args.scheduler_to_tokenizer, bind=False)
+        self._to_detokenizer = None
+        if not skip_tokenizer_init:
+            self._to_detokenizer = zmq_io.make_socket(
+                self._ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._recv, zmq.POLLIN)
+
+    def recv(self) -> list[Any]:
+        return zmq_io.recv_nowait(self._recv)
+
+    def wait(self, timeout_ms: int) -> None:
+        self._poller.poll(timeout_ms)
+
+    def send_output(self, out: Any) -> None:
+        zmq_io.send(self._to_detokenizer if self._to_detokenizer is not None else self._to_tokenizer, out)
+
+    def send_reply(self, msg: Any) -> None:
+        zmq_io.send(self._to_tokenizer, msg)
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
