@@ -238,8 +238,8 @@ class TokenizerManager:
             )
         if len(input_ids) >= self.context_len:
             raise ValueError(
-                f"text/input_ids: the prompt has {len(input_ids)} tokens, the context length is "
-                f"{self.context_len}; it must be shorter"
+                f"text/input_ids: The input ({len(input_ids)} tokens) is longer than the model's context "
+                f"length ({self.context_len} tokens)."  # SGLang's wording: clients match on it
             )
         if obj.input_ids is not None:
             bad = [t for t in input_ids if not 0 <= t < self.vocab_size]

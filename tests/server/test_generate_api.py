@@ -155,6 +155,8 @@ def test_64_concurrent_requests(server, client):
     ({"text": 5}, "text"),
     ({"text": "x", "stream": "yes"}, "stream"),
     ({"text": "word " * 5000}, "context length"),
+    # SGLang's wording, which its clients match on (the tiny model's context is 2048).
+    ({"input_ids": [5] * 2048}, "The input (2048 tokens) is longer than the model's context length (2048 tokens)."),
 ])
 def test_bad_input_gets_400_naming_the_field(client, body, field):
     r = client.post("/generate", json=body)
