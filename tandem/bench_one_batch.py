@@ -98,11 +98,12 @@ class OneBatchBench:
                                   out_cache_loc=self.kv.alloc_extend(reqs, lens))
         else:
             batch = ScheduleBatch(reqs=reqs, forward_mode=mode, out_cache_loc=self.kv.alloc_decode(reqs))
-        result = self.worker.forward_batch_generation(batch)
+        mwb = batch.launch(self.runner.vocab_size, self.runner.device)
+        result = self.worker.forward_batch_generation(mwb).to_host(mwb)
         self._sync()
         latency = time.perf_counter() - tic
         for req, token_id in zip(reqs, result.next_token_ids):
-            req.kv_len = len(req.seq_ids)
+            req.pending_tokens -= 1
             req.output_ids.append(token_id)
         return latency
 

@@ -53,6 +53,7 @@ class ServerArgs:
     chat_template: str | None = None
     linear_backend: str = "auto"
     enable_mixed_chunk: bool = False
+    disable_overlap_schedule: bool = False
     watchdog_timeout: float = 300.0
     graceful_shutdown_timeout: float = 30.0
     log_level_http: str | None = None
@@ -86,7 +87,6 @@ class ServerArgs:
     torch_compile_max_bs: int | None = None
     disable_custom_all_reduce: bool = False
     enable_p2p_check: bool = False
-    disable_overlap_schedule: bool = False
     base_gpu_id: int = 0
     grammar_backend: str | None = None
     sampling_backend: str | None = None
@@ -193,6 +193,9 @@ class ServerArgs:
         add("--enable-mixed-chunk", action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "
                  "instead of pausing them for it.")
+        add("--disable-overlap-schedule", action="store_true",
+            help="Run the normal scheduler loop: process each batch's result before forming the next, "
+                 "instead of while the next one computes.")
         add("--watchdog-timeout", type=float, default=300.0,
             help="If a forward step takes longer than this many seconds, dump the stacks and the batch "
                  "to the log and bring the server down (a hung server is worse than none).")
@@ -261,6 +264,11 @@ class PortArgs:
         self.detokenizer_to_tokenizer = f"{base}/detokenizer_to_tokenizer"
         self.scheduler_to_tokenizer = f"{base}/scheduler_to_tokenizer"
         self.ready = f"{base}/ready"
+
+    def tokenizer_worker(self, worker_id: int) -> str:
+        """The endpoint tokenizer worker `worker_id` binds (PULL) under --tokenizer-worker-num
+        N > 1: its outputs, control replies and other workers' aborts by label."""
+        return f"ipc://{self.ipc_dir}/tokenizer_worker_{worker_id}"
 
     @classmethod
     def create(cls) -> "PortArgs":

@@ -1,10 +1,10 @@
 """SGLang's everyday server flags that Tandem accepts so that SGLang command lines run.
 
 Each flag is a `ServerArgs` field (its default lives there). Three kinds:
-- the flags whose feature exists work (`--tp-size 1`, `--load-format dummy`, ...): they
+- the flags whose feature exists work (`--tp-size 2`, `--load-format dummy`, ...): they
   are listed here with the values Tandem can honour;
 - NO_EFFECT flags tune something this build does not have (CUDA graphs, torch.compile,
-  the overlap loop, ...): a value other than the default is accepted and logged once;
+  ...): a value other than the default is accepted and logged once;
 - NOT_BUILT flags ask for a feature Tandem lacks (LoRA, speculative decoding,
   parallelism > 1, ...): a value other than the neutral one stops the start with one
   line naming the flag.
@@ -38,6 +38,10 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v in values
 
 
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: v >= low
+
+
 _OFF = _is(None, False)
 _INT = {"type": int}
 _FLAG = {"action": "store_true"}
@@ -45,7 +49,7 @@ _FLAG = {"action": "store_true"}
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # Features that exist, in the form that exists.
     CompatFlag("tp_size", ("--tp-size", "--tp", "--tensor-parallel-size"),
-               "tensor parallelism is not built yet (only 1)", _is(1), parse=_INT),
+               "the tensor-parallel size must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("dp_size", ("--dp-size", "--dp", "--data-parallel-size"),
                "data parallelism is not built yet (only 1)", _is(1), parse=_INT),
     CompatFlag("pp_size", ("--pp-size", "--pipeline-parallel-size"),
@@ -54,7 +58,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                "expert parallelism is not built yet (only 1)", _is(1), parse=_INT),
     CompatFlag("nnodes", ("--nnodes",), "multi-node serving is not built yet (only 1)", _is(1), parse=_INT),
     CompatFlag("tokenizer_worker_num", ("--tokenizer-worker-num",),
-               "several tokenizer workers are not built yet (only 1)", _is(1), parse=_INT),
+               "the number of tokenizer workers must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("load_format", ("--load-format",),
                "only auto, safetensors and dummy are built", _is("auto", "safetensors", "dummy")),
     CompatFlag("page_size", ("--page-size",), "paged KV memory is not built yet (only page size 1)",
@@ -94,12 +98,11 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag("torch_compile_max_bs", ("--torch-compile-max-bs",), "torch.compile is not built", _OFF,
                no_effect=True, parse=_INT),
     CompatFlag("disable_custom_all_reduce", ("--disable-custom-all-reduce",),
-               "there is no all-reduce with one process", _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("enable_p2p_check", ("--enable-p2p-check",), "there is no GPU peer access with one process",
+               "the all-reduce is always torch.distributed's (no custom all-reduce)", _OFF, no_effect=True,
+               parse=_FLAG),
+    CompatFlag("enable_p2p_check", ("--enable-p2p-check",), "GPU peer access is left to NCCL",
                _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("disable_overlap_schedule", ("--disable-overlap-schedule",),
-               "only the normal (non-overlap) scheduler loop exists", _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("base_gpu_id", ("--base-gpu-id",), "the device is chosen by --device", _is(0), no_effect=True,
+    CompatFlag("base_gpu_id", ("--base-gpu-id",), "the first GPU id must be at least 0", _at_least(0),
                parse=_INT),
     CompatFlag("grammar_backend", ("--grammar-backend",), "structured output is not built yet",
                _is(None, "none"), no_effect=True),

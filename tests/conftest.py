@@ -34,6 +34,14 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mqa_dir(tmp_path_factory) -> Path:
+    """The tiny llama's shape with one KV head: tensor parallelism replicates it."""
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mqa", arch="llama", preset="tiny-mqa")
+
+
+@pytest.fixture(scope="session")
 def stories_dir(tmp_path_factory) -> Path:
     from tandem.tools.convert_llama2c import convert_llama2c
     from tandem.tools.paths import stories260k_dir

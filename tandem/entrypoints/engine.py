@@ -40,6 +40,8 @@ class Engine:
             kwargs.setdefault("log_level", "warning")
             server_args = ServerArgs(model_path=model_path, **kwargs)
         server_args.validate()
+        if server_args.tokenizer_worker_num > 1:
+            raise ValueError("tokenizer_worker_num: the offline Engine has one tokenizer manager (only 1)")
         self.server_args = server_args
         configure_logging(server_args.log_level, "engine")
         self._procs: ServerProcesses | None = launch_subprocesses(server_args)

@@ -1,6 +1,8 @@
-"""GET /health_generate: is the engine producing tokens? (SGLang's route and rules.)
+"""Health checks. GET /health (`EngineHealth`): are the engine's processes alive and its
+forward steps moving? GET /health_generate (`GenerationProbe`): is the engine producing
+tokens? (SGLang's routes and rules.)
 
-Open to anyone (no API key, for load balancers), so it must not let them drive the
+/health_generate is open to anyone (no API key, for load balancers), so it must not let them drive the
 model: when the scheduler side sent anything in the last RECENT_PROGRESS_S seconds, the
 answer is yes without running anything; otherwise one probe generation (one token) runs,
 and every call that arrives meanwhile shares it. The probe times out after
@@ -12,13 +14,46 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
 
 from tandem.entrypoints.streams import last_outputs
+from tandem.managers.forward_watchdog import forward_stuck_for
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 RECENT_PROGRESS_S = 2.0
+
+
+@dataclass
+class EngineHealth:
+    """The engine's processes (name -> pid) and scheduler rank 0's forward stamp (when its
+    current forward step started, time.monotonic(); 0.0 between steps). Picklable, so
+    that every tokenizer worker process checks the same."""
+
+    pids: dict[str, int]
+    forward_stamp: Any = None
+
+    def problem(self, watchdog_timeout: float) -> str | None:
+        """Why the engine cannot serve (a process has exited, a forward step is stuck past
+        --watchdog-timeout), or None."""
+        dead = [name for name, pid in self.pids.items() if not _alive(pid)]
+        if dead:
+            return f"the {dead[0]} process has exited"
+        stuck = forward_stuck_for(self.forward_stamp) if self.forward_stamp is not None else 0.0
+        if stuck > watchdog_timeout:
+            return f"a forward step has run for {stuck:.0f} s (--watchdog-timeout {watchdog_timeout:g})"
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class GenerationProbe:

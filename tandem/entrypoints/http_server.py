@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from typing import Any, AsyncIterator
 
 import orjson
@@ -26,14 +27,18 @@ from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.sglang_routes import add_sglang_routes
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-from tandem.entrypoints.health import GenerationProbe
-from tandem.entrypoints.shutdown import DRAINING_MESSAGE, DrainGate, DrainingServer
+from tandem.entrypoints.health import EngineHealth, GenerationProbe
+from tandem.entrypoints.shutdown import DRAINING_MESSAGE, WORKER_DRAIN_SIGNAL, DrainGate, DrainingServer
 from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, merge_streams, refusal
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
+from tandem.entrypoints.tokenizer_workers import serve_with_workers
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
-from tandem.server_args import ServerArgs
-from tandem.utils.process import configure_logging, exit_now, kill_process_tree, set_process_name
+from tandem.server_args import PortArgs, ServerArgs
+from tandem.utils.process import (
+    configure_logging, exit_now, ignore_stop_signals, kill_process_tree, notify_parent_of_failure,
+    set_parent_death_signal, set_process_name, set_process_title,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +73,8 @@ def sse(obj: Any) -> bytes:
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
-               procs: ServerProcesses | None = None) -> FastAPI:
-    """The app; with `procs`, GET /health also checks the subprocesses."""
+               engine_health: EngineHealth | None = None) -> FastAPI:
+    """The app; with `engine_health`, GET /health also checks the subprocesses."""
     tm = tokenizer_manager
     probe = GenerationProbe(tm)
 
@@ -94,7 +99,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
     async def health() -> Response:
         """200, or 503 with the reason: a subprocess has exited, a forward step is stuck past
         --watchdog-timeout (draining answers 503 before any route: DrainGate)."""
-        problem = procs.health_problem(server_args.watchdog_timeout) if procs is not None else None
+        problem = engine_health.problem(server_args.watchdog_timeout) if engine_health is not None else None
         if problem is not None:
             return error_response(problem, 503)
         return Response(status_code=200)
@@ -187,20 +192,52 @@ def launch_server(server_args: ServerArgs) -> None:
         exit_now(1)
 
     def on_sigquit(signum, frame) -> None:  # a child reported a crash
-        logger.error("a subprocess crashed; shutting the server down")
+        # NOTE: a scheduler rank fails in a collective when another rank died: name the dead.
+        dead = procs.exited()
+        logger.error("a subprocess crashed%s; shutting the server down", f" ({', '.join(dead)} exited)" if dead else "")
         procs.shutdown()
         exit_now(1)
 
     signal.signal(signal.SIGQUIT, on_sigquit)
     procs.watch(on_child_death)
     try:
-        tm = TokenizerManager(server_args, procs.port_args, procs.scheduler_info)
-        app = create_app(tm, server_args, procs)
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level_http or server_args.log_level,
-                                timeout_keep_alive=5, access_log=False)
-        DrainingServer(config, tm, server_args.graceful_shutdown_timeout).run()
+        if server_args.tokenizer_worker_num > 1:
+            serve_with_workers(server_args, procs, run_tokenizer_worker_process)
+        else:
+            tm = TokenizerManager(server_args, procs.port_args, procs.scheduler_info)
+            app = create_app(tm, server_args, procs.health())
+            DrainingServer(_uvicorn_config(app, server_args), tm, server_args.graceful_shutdown_timeout).run()
     finally:
         procs.shutdown()
         # Any other descendant (multiprocessing's resource tracker, which ignores SIGTERM).
         kill_process_tree(os.getpid(), include_parent=False, sig=signal.SIGKILL)
+
+
+def _uvicorn_config(app: FastAPI, server_args: ServerArgs) -> uvicorn.Config:
+    return uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                          log_level=server_args.log_level_http or server_args.log_level,
+                          timeout_keep_alive=5, access_log=False)
+
+
+def run_tokenizer_worker_process(server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any],
+                                 worker_id: int, sock: socket.socket, engine_health: EngineHealth) -> None:
+    """Entry of tokenizer worker `worker_id` (--tokenizer-worker-num N > 1,
+    entrypoints/tokenizer_workers.py): its own TokenizerManager and app, serving HTTP on
+    the listening socket that every worker shares, until the main process drains it
+    (WORKER_DRAIN_SIGNAL, twice to hurry); then it exits 0."""
+    name = f"tokenizer_worker_{worker_id}"
+    set_parent_death_signal()
+    set_process_title(f"tandem::{name}")
+    configure_logging(server_args.log_level, name)
+    ignore_stop_signals()  # the main process drains us
+    signal.signal(WORKER_DRAIN_SIGNAL, signal.SIG_IGN)  # until the server's own handler is in place
+    try:
+        tm = TokenizerManager(server_args, port_args, scheduler_info, worker_id=worker_id)
+        app = create_app(tm, server_args, engine_health)
+        DrainingServer(_uvicorn_config(app, server_args), tm, server_args.graceful_shutdown_timeout,
+                       stop_signals=(WORKER_DRAIN_SIGNAL,)).run(sockets=[sock])
+    except Exception:
+        logger.exception("%s crashed", name)
+        notify_parent_of_failure()
+        exit_now(1)
+    exit_now(0)

@@ -31,6 +31,10 @@ from tandem.managers.tokenizer_manager import TokenizerManager
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Under --tokenizer-worker-num N > 1 the main process drains each worker with this signal
+# (the workers ignore SIGINT and SIGTERM, which a terminal or a service manager sends to
+# the whole group: a worker hit by both would take the second as "hurry").
+WORKER_DRAIN_SIGNAL = signal.SIGUSR2
 DRAINING_MESSAGE = "the server is shutting down"
 ABORT_MESSAGE = "the server is shutting down: the request did not finish within --graceful-shutdown-timeout"
 # Routes that still answer while draining: aborting, and reading the server's state.
@@ -60,23 +64,25 @@ class DrainGate:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining on SIGTERM/SIGINT before it shuts down (module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace_s: float):
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace_s: float,
+                 stop_signals: tuple[int, ...] = STOP_SIGNALS):
         config.timeout_graceful_shutdown = CLOSE_TIMEOUT_S
         super().__init__(config)
         self.tm = tm
         self.grace_s = grace_s
+        self.stop_signals = stop_signals
         self._drain_task: asyncio.Task | None = None
         self._hurry = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
+        for sig in self.stop_signals:
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         try:
             yield
         finally:
-            for sig in STOP_SIGNALS:
+            for sig in self.stop_signals:
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, signal.SIG_IGN)  # the caller is ending the children
 

@@ -1,11 +1,13 @@
-"""Starts a server's subprocesses (scheduler, detokenizer) and waits for their readiness.
+"""Starts a server's subprocesses (one scheduler per tensor-parallel rank, the
+detokenizer) and waits for their readiness.
 
 Shared by the HTTP server and the offline Engine: both own a `ServerProcesses` and
 call `shutdown()` to end every child. A child that dies unexpectedly is noticed by a
 watchdog thread, which calls `on_child_death` (the HTTP server exits; no orphan and no
-server answering 200 without an engine behind it). Children ignore SIGINT and SIGTERM
-(a terminal or service manager signals the whole group; the main process drains first),
-so `shutdown()` ends them with SIGKILL: they hold nothing that needs flushing.
+server answering 200 without an engine behind it); so does any rank's death under
+tensor parallelism (the other ranks would hang in a collective). Children ignore SIGINT
+and SIGTERM (a terminal or service manager signals the whole group; the main process
+drains first), so `shutdown()` ends them with SIGKILL: they hold nothing to flush.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any, Callable
 import zmq
 
 from tandem.managers.detokenizer_manager import run_detokenizer_process
-from tandem.managers.forward_watchdog import forward_stuck_for, new_forward_stamp
+from tandem.entrypoints.health import EngineHealth
+from tandem.managers.forward_watchdog import new_forward_stamp
 from tandem.managers.io_struct import ReadyMessage
 from tandem.managers.scheduler import run_scheduler_process
 from tandem.server_args import PortArgs, ServerArgs
@@ -40,23 +43,26 @@ class ServerProcesses:
     port_args: PortArgs
     procs: list[mp.Process]
     scheduler_info: dict[str, Any]
-    # When the scheduler's current forward step started (time.monotonic()), 0.0 between steps.
+    # When scheduler rank 0's current forward step started (time.monotonic()), 0.0 between steps.
     forward_stamp: Any = None
     _stopping: threading.Event = field(default_factory=threading.Event)
+    # Children whose exit is no longer a failure (tokenizer workers that drained).
+    _may_exit: set[str] = field(default_factory=set)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def health_problem(self, watchdog_timeout: float) -> str | None:
-        """Why the engine cannot serve (a child has exited, a forward step is stuck past
-        --watchdog-timeout), or None."""
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if dead:
-            return f"the {dead[0]} process has exited"
-        stuck = forward_stuck_for(self.forward_stamp) if self.forward_stamp is not None else 0.0
-        if stuck > watchdog_timeout:
-            return f"a forward step has run for {stuck:.0f} s (--watchdog-timeout {watchdog_timeout:g})"
-        return None
+    def health(self) -> EngineHealth:
+        """What GET /health checks (picklable: tokenizer worker processes check it too)."""
+        return EngineHealth({p.name: p.pid for p in self.procs if p.pid is not None}, self.forward_stamp)
+
+    def allow_exit(self, names: list[str]) -> None:
+        """From now on the watchdog ignores these children's exit."""
+        self._may_exit.update(names)
+
+    def exited(self) -> list[str]:
+        """The names of the children that have exited (`scheduler_TP1`, `detokenizer`, ...)."""
+        return [p.name for p in self.procs if not p.is_alive()]
 
     def shutdown(self) -> None:
         """End every subprocess and its descendants (SIGKILL) and remove the ipc directory."""
@@ -75,7 +81,7 @@ class ServerProcesses:
         def loop() -> None:
             while not self._stopping.wait(interval):
                 for p in self.procs:
-                    if not p.is_alive():
+                    if p.name not in self._may_exit and not p.is_alive():
                         if not self._stopping.is_set():
                             on_child_death(p.name)
                         return
@@ -84,7 +90,8 @@ class ServerProcesses:
 
 
 def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
-    """Spawn the scheduler and the detokenizer, wait until both report ready.
+    """Spawn the scheduler ranks (`scheduler_TP{k}`, k < --tp-size) and the detokenizer,
+    wait until all report ready. Rank 0's readiness carries the resolved capacities.
 
     Raises RuntimeError (after cleaning up) when one fails to start. First removes the
     ipc directories of servers that were killed before they could remove their own.
@@ -95,8 +102,10 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     ready_sock = zmq_io.make_socket(ctx, zmq.PULL, port_args.ready, bind=True)
     mp_ctx = mp.get_context("spawn")
     forward_stamp = new_forward_stamp(mp_ctx)
-    procs = [mp_ctx.Process(target=run_scheduler_process, args=(server_args, port_args, 0, forward_stamp),
-                            name="scheduler")]
+    procs = [mp_ctx.Process(target=run_scheduler_process,
+                            args=(server_args, port_args, rank, forward_stamp if rank == 0 else None),
+                            name=f"scheduler_TP{rank}")
+             for rank in range(server_args.tp_size)]
     if not server_args.skip_tokenizer_init:  # without a tokenizer, no detokenization runs
         procs.append(mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"))
     handle = ServerProcesses(port_args=port_args, procs=procs, scheduler_info={}, forward_stamp=forward_stamp)
@@ -111,7 +120,7 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
                 if not msg.ok:
                     raise RuntimeError(f"{msg.process} failed to start: {msg.error}")
                 waiting.discard(msg.process)
-                if msg.process == "scheduler":
+                if msg.process == "scheduler_TP0":
                     handle.scheduler_info = msg.info
                 continue
             dead = [p.name for p in procs if not p.is_alive()]

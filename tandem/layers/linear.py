@@ -10,7 +10,7 @@ the file, `tandem.layers.weight_shard`):
   QKVParallelLinear splits the attention heads (`HeadSplit`): query heads evenly, KV
   heads evenly too, or, with fewer KV heads than ranks, one KV head per rank,
   replicated on `tp_size / num_kv_heads` ranks.
-  ReplicatedLinear      the whole weight on every rank.
+  The LM head is split along the vocabulary (`layers/vocab_embedding.py`).
 
 After loading, `process_weights_after_loading(backend)` picks the matmul kernel for this
 rank's shard (`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the
@@ -82,16 +82,6 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
         param.data.copy_(read_shard(loaded, 0, self.tp_rank * size, size))
-
-
-class ReplicatedLinear(LinearBase):
-    """The whole weight on every rank."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(in_features, out_features, bias, tp_rank, tp_size)
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        param.data.copy_(read_whole(loaded))
 
 
 class RowParallelLinear(LinearBase):

@@ -22,6 +22,7 @@ from tandem.managers.io_struct import (
     ReadyMessage,
     error_finish_reason,
 )
+from tandem.managers.multi_tokenizer import OutputSender
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.process import (
@@ -39,13 +40,15 @@ class DetokenizerManager:
         self.states: dict[str, IncrementalDetokenizer] = {}
         ctx = zmq.Context(2)
         self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_detokenizer, bind=True)
-        self.send_to_tokenizer = zmq_io.make_socket(ctx, zmq.PUSH, port_args.detokenizer_to_tokenizer, bind=False)
+        # Under --tokenizer-worker-num N > 1, each worker gets its own requests' outputs alone.
+        self.send_to_tokenizer = OutputSender(ctx, port_args, port_args.detokenizer_to_tokenizer,
+                                              server_args.tokenizer_worker_num)
 
     def event_loop(self) -> None:
         while True:
             msg = zmq_io.loads(self.recv_from_scheduler.recv())
             if isinstance(msg, BatchTokenIDOutput):
-                zmq_io.send(self.send_to_tokenizer, self.handle_batch_token_id_out(msg))
+                self.send_to_tokenizer.send(self.handle_batch_token_id_out(msg))
             else:
                 logger.error("detokenizer got an unknown message %r", type(msg))
 

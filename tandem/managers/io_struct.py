@@ -9,13 +9,17 @@ Direction of each message:
   Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
   DetokenizerManager -> TokenizerManager: BatchStrOutput (one per BatchTokenIDOutput)
   Subprocess -> parent at start-up:     ReadyMessage
+  Tokenizer worker -> other workers:    AbortLabelReq (--tokenizer-worker-num N > 1)
 Outputs are batched: one message per step carries every request that produced tokens
 or finished in that step. Serialization is in `tandem.utils.zmq_io`.
 
 Identity: every `rid` in these messages is the request's internal id, issued by the
 TokenizerManager and never reused (one per sample of an n > 1 request). The client's
 `rid` is only a label that the TokenizerManager keeps and echoes in meta_info["id"], so
-a late output or abort of a finished request can never reach a newer one.
+a late output or abort of a finished request can never reach a newer one. The internal
+id starts with the number of the tokenizer worker that issued it (`{worker}.{random}-{n}`,
+managers/multi_tokenizer.py), and so do control requests' `request_id`s: under
+--tokenizer-worker-num N > 1 each output and reply goes to that worker alone.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ class AbortReq:
     rid: str | None = None
     abort_all: bool = False
     message: str = "aborted"
+
+
+@dataclass
+class AbortLabelReq:
+    """Under --tokenizer-worker-num N > 1, from the worker whose /abort_request got a
+    client rid to every other worker: abort what you run under this label."""
+
+    label: str
 
 
 @dataclass
@@ -117,6 +129,8 @@ class ServerStateOutput:
     num_running_reqs: int
     num_waiting_reqs: int
     free_req_rows: int
+    # Rolling fraction of time the forward sat idle waiting for the scheduler (#10).
+    forward_idle_fraction: float = 0.0
 
 
 @dataclass

@@ -149,17 +149,34 @@ class ScheduleBatch:
     def batch_size(self) -> int:
         return len(self.reqs)
 
+    def launch(self, vocab_size: int, device: str) -> "ModelWorkerBatch":
+        """The worker's snapshot of this batch; then every request's lengths advance as if
+        the forward had run: kv_len by its new tokens, and a request whose forward samples
+        its next token gets one pending token (until `process_batch_result`)."""
+        mwb = ModelWorkerBatch(
+            forward_batch=self.to_forward_batch(device),
+            sampling_info=self.sampling_info(vocab_size, device),
+            return_logprob=[r.return_logprob for r in self.reqs],
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            token_ids_logprob=[r.token_ids_logprob for r in self.reqs],
+        )
+        for req, n in zip(self.reqs, mwb.forward_batch.extend_lens_cpu):
+            req.kv_len += n
+            if req.kv_len >= req.seq_len:  # not a chunk of a longer prompt
+                req.pending_tokens += 1
+        return mwb
+
     def to_forward_batch(self, device: str) -> ForwardBatch:
-        """Tensors for the model. For EXTEND the new tokens of req i are seq_ids[kv_len:];
-        for DECODE it is the newest output token."""
+        """Tensors for the model. A prefilling request computes seq_ids[kv_len:kv_len +
+        extend_len]; a decoding one its newest output token (a placeholder if pending)."""
         input_ids: list[int] = []
         positions: list[int] = []
         prefix_lens, extend_lens, seq_lens = [], [], []
         for i, req in enumerate(self.reqs):
-            if self.forward_mode.is_extend():
+            if self.is_prefill(i):
                 new = req.seq_ids[req.kv_len : req.kv_len + self.extend_lens[i]]
             else:
-                new = req.output_ids[-1:]
+                new = req.launched_output_ids()[-1:]
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(new))
             seq_lens.append(req.kv_len + len(new))
@@ -187,8 +204,22 @@ class ScheduleBatch:
         penalties = None
         if any(needs_penalties(r.sampling_params) for r in self.reqs):  # hot loop: usually none
             penalties = PenaltyBatch.build(
-                [PenaltyInput(r.sampling_params, r.origin_input_ids, r.output_ids, r.min_tokens_banned)
+                [PenaltyInput(r.sampling_params, r.origin_input_ids, r.launched_output_ids(), r.min_tokens_banned)
                  for r in self.reqs], device)
         return SamplingBatchInfo.from_params(
-            [r.sampling_params for r in self.reqs], [len(r.output_ids) for r in self.reqs], vocab_size, device,
+            [r.sampling_params for r in self.reqs], [r.launched_output_len for r in self.reqs], vocab_size, device,
             penalties)
+
+
+@dataclass
+class ModelWorkerBatch:
+    """What the worker needs for one forward and its sampling, taken when the batch is
+    launched: the worker never reads a live `Req`. Token ids (inputs, penalty tokens) may
+    be FutureMap placeholders for tokens an earlier forward samples."""
+
+    forward_batch: ForwardBatch
+    sampling_info: SamplingBatchInfo
+    # Per request: whether output logprobs are wanted, how many top ones, which token ids.
+    return_logprob: list[bool]
+    top_logprobs_nums: list[int]
+    token_ids_logprob: list[list[int] | None]

@@ -4,7 +4,8 @@
 cached prefix first; falls back to fcfs for very long queues, where matching every
 request each step would cost more than it saves).
 
-`Scheduler.get_new_prefill_batch` admits requests one by one while their KV fits:
+`PrefillAdder` (SGLang's name) forms one prefill batch: it continues the chunked request,
+then admits waiting requests one by one while their KV fits:
     budget = free slots + evictable cached slots
              - KV the running requests are expected to still need
 An admitted request costs its prompt tokens not already cached plus its expected future
@@ -18,9 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.managers.schedule_batch import Req
+from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
 
 LPM_MAX_QUEUE = 128
+# Defer a waiting request whose prompt shares at least this many uncached tokens with a
+# request already in the prefill batch: next step it will hit the cache instead.
+IN_BATCH_PREFIX_MIN = 16
 
 
 class SchedulePolicy:
@@ -58,5 +63,96 @@ class NewTokenRatio:
 
 
 def expected_future_tokens(req: Req, ratio: float) -> int:
-    remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+    remaining = req.sampling_params.max_new_tokens - req.launched_output_len
     return int(max(remaining, 0) * ratio)
+
+
+@dataclass
+class PrefillAdder:
+    """Forms one prefill batch. Budget = free + evictable slots, minus what the running
+    requests and the chunked request are expected to still need; each admitted request
+    must fit in what is left (with nothing running and nothing taken yet, it is taken
+    anyway). Stops at the first request that does not fit, at `max_running_requests`,
+    at a full ReqToTokenPool, or when the prefill token budget is spent."""
+
+    kv: ReqKVManager
+    ratio: float
+    running: list[Req]
+    max_running_requests: int
+    token_budget: int  # --max-prefill-tokens
+    chunk_size: int | None  # --chunked-prefill-size (None: off)
+    reqs: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    # The request that this batch prefills only in part (it continues next step).
+    chunked_req: Req | None = None
+    reserved: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reserved = sum(expected_future_tokens(r, self.ratio) for r in self.running)
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prompt; while it still chunks, nothing else joins."""
+        self.reserved += self._future_need(req)
+        self._take(req)
+
+    def add_waiting(self, ordered: list[Req]) -> None:
+        """Admit from `ordered` (the policy's order) while everything fits."""
+        for req in ordered:
+            if self.chunked_req is not None or self.token_budget <= 0:
+                break
+            if len(self.running) + len(self.reqs) >= self.max_running_requests:
+                break
+            if self.kv.req_to_token_pool.available_size() == 0:
+                break
+            if not isinstance(self.kv.tree_cache, ChunkCache) and self._shares_uncached_prefix(req):
+                continue  # next step it reuses the prefix this batch computes
+            prefix_len = self.kv.match_and_lock(req, self._max_prefix_len(req))
+            need = self._future_need(req)
+            if need > self.kv.available_size() - self.reserved and (self.reqs or self.running):
+                self.kv.unlock(req)
+                break
+            if not req.admitted_once:
+                req.cached_tokens = prefix_len
+                req.admitted_once = True
+            self.reserved += need
+            self._take(req)
+
+    def _take(self, req: Req) -> None:
+        n = self._extend_len(req)
+        self.reqs.append(req)
+        self.extend_lens.append(n)
+        self.token_budget -= n
+        if n < req.seq_len - req.kv_len:  # chunked: the rest follows in later steps
+            self.chunked_req = req
+
+    def _future_need(self, req: Req) -> int:
+        """KV `req` is expected to still take: its uncomputed sequence plus expected outputs."""
+        return req.seq_len - req.kv_len + expected_future_tokens(req, self.ratio)
+
+    def _extend_len(self, req: Req) -> int:
+        """Tokens `req` computes in this prefill: all that remain, unless chunked."""
+        remaining = req.seq_len - req.kv_len
+        if self.chunk_size is None or req.wants_input_logprobs():
+            return remaining  # NOTE: prompt logprobs need the whole prompt in one forward
+        return max(1, min(remaining, self.chunk_size, self.token_budget))
+
+    @staticmethod
+    def _max_prefix_len(req: Req) -> int:
+        """Longest cached prefix worth reusing: never the whole sequence (the last token
+        must be computed for its logits), nor past where prompt logprobs start."""
+        limit = req.seq_len - 1
+        if req.wants_input_logprobs():
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    def _shares_uncached_prefix(self, req: Req) -> bool:
+        ids = req.seq_ids
+        for other in self.reqs:
+            other_ids = other.seq_ids
+            n = min(len(ids) - 1, len(other_ids), IN_BATCH_PREFIX_MIN * 64)
+            k = 0
+            while k < n and ids[k] == other_ids[k]:
+                k += 1
+            if k >= IN_BATCH_PREFIX_MIN and k > other.kv_len:
+                return True
+        return False

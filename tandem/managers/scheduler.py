@@ -1,17 +1,20 @@
 """The scheduler process: continuous batching around one model worker.
 
-Loop (DESIGN.md §4, the normal loop):
-    recv requests -> batch = get_next_batch_to_run() -> result = run_batch(batch)
-    -> process_batch_result(batch, result)
+Loops (DESIGN.md §4); both share batch forming (`get_next_batch_to_run`) and result
+processing (`process_batch_result`):
+    normal:   recv -> batch = get_next_batch_to_run() -> result = run_batch(batch)
+              -> process_batch_result(batch, result)
+    overlap:  recv -> batch = get_next_batch_to_run() -> launch(batch) on the forward
+              thread -> process the PREVIOUS batch's result while this one computes
 Prefill (EXTEND) batches have priority, except that a decode step of the running
 requests follows every chunk of a chunked prefill, so decode never stalls behind a
 long prompt. Finished requests leave the running set at once; their KV goes to the
 prefix cache (or back to the pool with --disable-radix-cache).
 
-Memory: admission (schedule_policy.py) reserves an estimate of the KV that admitted
-requests will still need. When a decode step finds no free slot anyway, the running
-requests that lose least are retracted: their KV is released (into the prefix cache)
-and they return to the front of the queue with their outputs kept, to resume later.
+Memory: admission (schedule_policy.PrefillAdder) reserves an estimate of the KV that
+admitted requests will still need. When a decode step finds no free slot anyway, the
+running requests that lose least are retracted: their KV is released (into the prefix
+cache) and they return to the front of the queue with their outputs kept, to resume.
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ import faulthandler
 import logging
 import signal
 import sys
-import time
 import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from tandem.distributed import init_tp_group, rendezvous_method
 from tandem.managers.finish_check import FinishChecker
-from tandem.managers.profiler import SchedulerProfiler
+from tandem.managers.forward_executor import ForwardExecutor, ForwardThread
+from tandem.managers.forward_watchdog import ForwardWatchdog
 from tandem.managers.io_struct import (
     AbortReq,
-    BatchTokenIDOutput,
     FlushCacheOutput,
     FlushCacheReq,
     GetServerStateReq,
@@ -40,11 +45,12 @@ from tandem.managers.io_struct import (
     TokenizedGenerateReqInput,
     error_finish_reason,
 )
-from tandem.managers.schedule_batch import Req, ScheduleBatch
-from tandem.managers.scheduler_io import SchedulerIO, SchedulerIOBase
-from tandem.managers.schedule_policy import NewTokenRatio, SchedulePolicy, expected_future_tokens
-from tandem.managers.forward_watchdog import ForwardWatchdog
-from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from tandem.managers.profiler import SchedulerProfiler
+from tandem.managers.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
+from tandem.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
+from tandem.managers.scheduler_io import SchedulerIOBase, make_scheduler_io
+from tandem.managers.scheduler_output import build_batch_output
+from tandem.managers.tp_worker import GenerationBatchResult, HostBatchResult, TpModelWorker
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
@@ -52,7 +58,6 @@ from tandem.model_executor.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
-from tandem.utils.cpu_threads import ComputeThreads
 from tandem.utils.process import (
     configure_logging, ignore_stop_signals, report_scheduler_failure, set_parent_death_signal, set_process_title,
 )
@@ -62,9 +67,15 @@ logger = logging.getLogger(__name__)
 
 # How long an idle scheduler blocks waiting for input, in milliseconds.
 IDLE_POLL_MS = 1000
-# Defer a waiting request whose prompt shares at least this many uncached tokens with a
-# request already in the prefill batch: next step it will hit the cache instead.
-IN_BATCH_PREFIX_MIN = 16
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch whose forward was launched; its result arrives through `future`."""
+
+    batch: ScheduleBatch
+    mwb: ModelWorkerBatch
+    future: "Future[GenerationBatchResult]"
 
 
 class Scheduler:
@@ -74,9 +85,11 @@ class Scheduler:
         `server_args` when not given: tests inject their own)."""
         self.server_args = server_args
         self.io = io
-        self.worker = worker if worker is not None else TpModelWorker(server_args, tp_rank=tp_rank)
+        self.worker = worker if worker is not None else TpModelWorker(
+            server_args, tp_rank=tp_rank, tp_size=server_args.tp_size)
         runner = self.worker.model_runner
         self.device = runner.device
+        self.vocab_size = runner.vocab_size
         self.max_running_requests = runner.max_running_requests
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.context_len = runner.context_len
@@ -90,7 +103,9 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy, self.kv)
         self.new_token_ratio = NewTokenRatio()
         self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
-        self.compute_threads = ComputeThreads.for_device(self.device)
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        executor_cls = ForwardThread if self.enable_overlap else ForwardExecutor
+        self.executor = executor_cls(self.worker, ranks=server_args.tp_size)
         # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
         self.profiler = SchedulerProfiler(tp_rank)
@@ -100,7 +115,8 @@ class Scheduler:
         # The request whose prompt is being prefilled chunk by chunk (not yet running).
         self.chunked_req: Req | None = None
         self.last_batch_was_chunk = False
-
+        # Overlap loop: the launched batch whose result is not processed yet.
+        self.inflight: LaunchedBatch | None = None
 
     def info(self) -> dict:
         """Resolved capacities reported to the parent at start-up."""
@@ -108,22 +124,46 @@ class Scheduler:
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_running_requests": self.max_running_requests,
             "context_length": self.context_len,
-            "vocab_size": self.worker.model_runner.vocab_size,
+            "vocab_size": self.vocab_size,
             "eos_token_ids": sorted(self.finish_checker.eos_token_ids),
         }
 
-    # ---- the loop ------------------------------------------------------------------
-    def event_loop_normal(self) -> None:
+    # ---- the loops -----------------------------------------------------------------
+    def event_loop(self) -> None:
+        """The overlap loop, or the normal one under --disable-overlap-schedule."""
+        step = self.step_overlap if self.enable_overlap else self.step_normal
         while True:
             self.process_input_requests(self.recv_requests())
-            batch = self.get_next_batch_to_run()
-            if batch is None:
+            if not step():
+                self.executor.stats.mark_idle()
                 self.io.wait(IDLE_POLL_MS)
-                continue
-            with self.watchdog.watching(batch):
-                result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
-            self.profiler.step()
+
+    def step(self) -> bool:
+        """One step of the selected loop after its input; False when there was no work."""
+        return self.step_overlap() if self.enable_overlap else self.step_normal()
+
+    def step_normal(self) -> bool:
+        """event_loop_normal's step: form a batch, run it, process its result."""
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            return False
+        self.process_batch_result(batch, self.run_batch(batch))
+        return True
+
+    def step_overlap(self) -> bool:
+        """event_loop_overlap's step: launch batch N, then process batch N-1's result
+        while N computes. A prefill's result is processed before the next batch is
+        formed: its requests decode from it, and two prefills in a row keep their first
+        tokens prompt (SGLang's rule)."""
+        if self.inflight is not None and self.inflight.batch.forward_mode.is_extend():
+            self.sync_inflight()
+        batch = self.get_next_batch_to_run()
+        previous, self.inflight = self.inflight, None
+        if batch is not None:
+            self.inflight = self.launch(batch)
+        if previous is not None:
+            self.process_launched(previous)
+        return batch is not None or previous is not None
 
     # ---- input ---------------------------------------------------------------------
     def recv_requests(self) -> list:
@@ -183,6 +223,16 @@ class Scheduler:
             req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
         self.waiting_queue.append(req)
 
+    def active_reqs(self) -> list[Req]:
+        """Unfinished requests that hold or are computing KV: running, chunked, and the
+        newly admitted ones of a prefill still in flight."""
+        reqs = {id(r): r for r in self.running}
+        if self.chunked_req is not None:
+            reqs[id(self.chunked_req)] = self.chunked_req
+        if self.inflight is not None:
+            reqs.update((id(r), r) for r in self.inflight.batch.reqs if not r.finished())
+        return list(reqs.values())
+
     def server_state(self, request_id: str) -> ServerStateOutput:
         return ServerStateOutput(
             request_id=request_id,
@@ -190,14 +240,16 @@ class Scheduler:
             free_kv_slots=self.kv.token_to_kv_pool.available_size(),
             evictable_cached_slots=self.tree_cache.evictable_size(),
             protected_cached_slots=self.tree_cache.protected_size(),
-            num_running_reqs=len(self.running) + (self.chunked_req is not None),
+            num_running_reqs=len(self.active_reqs()),
             num_waiting_reqs=len(self.waiting_queue),
             free_req_rows=self.kv.req_to_token_pool.available_size(),
+            forward_idle_fraction=self.executor.stats.idle_fraction(),
         )
 
     def flush_cache(self, request_id: str) -> FlushCacheOutput:
-        if self.running or self.waiting_queue or self.chunked_req is not None:
+        if self.active_reqs() or self.waiting_queue:
             return FlushCacheOutput(request_id, False, "cannot flush the cache while requests are running or waiting")
+        self.sync_inflight()  # an extra step of a finished request may still write its KV
         self.tree_cache.reset()
         return FlushCacheOutput(request_id, True)
 
@@ -212,7 +264,7 @@ class Scheduler:
             self.kv.release(req)  # a retracted request holds no KV; this is a no-op then
         if aborted:
             self.send_outputs(aborted)
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for req in self.active_reqs():
             if match(req):
                 req.to_abort = msg.message
 
@@ -241,97 +293,37 @@ class Scheduler:
         batch.mix_in_decodes(self.running, slots)
         self.last_batch_was_chunk = False  # the running requests have had their step
 
-    def _future_need(self, req: Req) -> int:
-        """KV `req` is expected to still take: its uncomputed sequence plus expected outputs."""
-        return req.seq_len - req.kv_len + expected_future_tokens(req, self.new_token_ratio.value)
-
     def get_new_prefill_batch(self) -> ScheduleBatch | None:
-        """Continue the chunked request, then admit waiting requests while KV fits.
-
-        Budget = free + evictable slots, minus what the running requests and the chunked
-        request are expected to still need; each admitted request must fit in what is left.
-        """
+        """Continue the chunked request, then admit waiting requests while KV fits."""
         if self.chunked_req is None and not self.waiting_queue:
             return None
-        reserved = sum(expected_future_tokens(r, self.new_token_ratio.value) for r in self.running)
-        token_budget = self.server_args.max_prefill_tokens
-        reqs: list[Req] = []
-        extend_lens: list[int] = []
+        adder = PrefillAdder(self.kv, self.new_token_ratio.value, self.running, self.max_running_requests,
+                             self.server_args.max_prefill_tokens, self.chunk_size)
         if self.chunked_req is not None:
-            req = self.chunked_req
-            reserved += self._future_need(req)
-            extend_lens.append(self._extend_len(req, token_budget))
-            reqs.append(req)
-            token_budget -= extend_lens[0]
-            if extend_lens[0] < req.seq_len - req.kv_len:
-                token_budget = 0  # still chunking: nothing else joins
-        for req in self.policy.order(self.waiting_queue):
-            if token_budget <= 0 or len(self.running) + len(reqs) >= self.max_running_requests:
-                break
-            if self.kv.req_to_token_pool.available_size() == 0:
-                break
-            if not isinstance(self.tree_cache, ChunkCache) and self._shares_uncached_prefix(req, reqs):
-                continue  # next step it reuses the prefix this batch computes
-            prefix_len = self.kv.match_and_lock(req, self._max_prefix_len(req))
-            need = self._future_need(req)
-            if need > self.kv.available_size() - reserved and (reqs or self.running):
-                self.kv.unlock(req)
-                break
-            if not req.admitted_once:
-                req.cached_tokens = prefix_len
-                req.admitted_once = True
-            n = self._extend_len(req, token_budget)
-            reqs.append(req)
-            extend_lens.append(n)
-            reserved += need
-            token_budget -= n
-            if n < req.seq_len - req.kv_len:  # chunked: the rest follows in later steps
-                self.chunked_req = req
-                break
-        if not reqs:
+            adder.add_chunked_req(self.chunked_req)
+        adder.add_waiting(self.policy.order(self.waiting_queue))
+        if not adder.reqs:
             return None
-        taken = {id(r) for r in reqs}
+        if adder.chunked_req is not None:
+            self.chunked_req = adder.chunked_req
+        taken = {id(r) for r in adder.reqs}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in taken]
-        batch = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=extend_lens)
-        batch.out_cache_loc = self.kv.alloc_extend(reqs, extend_lens)
+        batch = ScheduleBatch(reqs=adder.reqs, forward_mode=ForwardMode.EXTEND, extend_lens=adder.extend_lens)
+        batch.out_cache_loc = self.kv.alloc_extend(adder.reqs, adder.extend_lens)
         return batch
 
-    def _extend_len(self, req: Req, token_budget: int) -> int:
-        """Tokens `req` computes in this prefill: all that remain, unless chunked."""
-        remaining = req.seq_len - req.kv_len
-        if self.chunk_size is None or req.wants_input_logprobs():
-            return remaining  # NOTE: prompt logprobs need the whole prompt in one forward
-        return max(1, min(remaining, self.chunk_size, token_budget))
-
-    @staticmethod
-    def _max_prefix_len(req: Req) -> int:
-        """Longest cached prefix worth reusing: never the whole sequence (the last token
-        must be computed for its logits), nor past where prompt logprobs start."""
-        limit = req.seq_len - 1
-        if req.wants_input_logprobs():
-            limit = min(limit, max(req.logprob_start_len - 1, 0))
-        return limit
-
-    def _shares_uncached_prefix(self, req: Req, batch_reqs: list[Req]) -> bool:
-        ids = req.seq_ids
-        for other in batch_reqs:
-            other_ids = other.seq_ids
-            n = min(len(ids) - 1, len(other_ids), IN_BATCH_PREFIX_MIN * 64)
-            k = 0
-            while k < n and ids[k] == other_ids[k]:
-                k += 1
-            if k >= IN_BATCH_PREFIX_MIN and k > other.kv_len:
-                return True
-        return False
-
     def prepare_decode_batch(self) -> ScheduleBatch | None:
-        """A decode batch of the running requests, retracting some if memory is short."""
+        """A decode batch of the running requests, retracting some if memory is short
+        (after processing the result in flight, which may free some)."""
         self.new_token_ratio.step()
         while self.running:
             slots = self.kv.alloc_decode(self.running)
             if slots is not None:
                 return ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, out_cache_loc=slots)
-            self.retract_one()
+            if self.inflight is not None:
+                self.sync_inflight()
+            else:
+                self.retract_one()
         return None
 
     def retract_one(self) -> None:
@@ -356,30 +348,51 @@ class Scheduler:
         logger.info("retracted request %s (%d outputs) under memory pressure", victim.rid, len(victim.output_ids))
 
     # ---- running -------------------------------------------------------------------
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        if self.compute_threads is None:
-            return self.worker.forward_batch_generation(batch)
-        self.compute_threads.apply(batch.forward_mode)
-        tic = time.perf_counter()
-        result = self.worker.forward_batch_generation(batch)
-        if batch.forward_mode.is_decode():
-            self.compute_threads.observe_decode(time.perf_counter() - tic)
-        return result
+    def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Snapshot `batch` (advancing its requests' lengths) and start its forward."""
+        mwb = batch.launch(self.vocab_size, self.device)
+        return LaunchedBatch(batch, mwb, self.executor.launch(mwb))
 
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def wait_result(self, launched: LaunchedBatch) -> HostBatchResult:
+        with self.watchdog.watching(launched.batch):
+            result = launched.future.result()
+        self.profiler.step()
+        return result.to_host(launched.mwb)
+
+    def run_batch(self, batch: ScheduleBatch) -> HostBatchResult:
+        """Launch `batch` and wait for its result (the normal loop)."""
+        with self.watchdog.watching(batch):
+            launched = self.launch(batch)
+        return self.wait_result(launched)
+
+    def process_launched(self, launched: LaunchedBatch) -> None:
+        self.process_batch_result(launched.batch, self.wait_result(launched))
+
+    def sync_inflight(self) -> None:
+        """Process the result in flight now: what comes next depends on it."""
+        launched, self.inflight = self.inflight, None
+        if launched is not None:
+            self.process_launched(launched)
+
+    def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         """Advance every request of the batch by its result; one whose processing raises
-        (finish check, stop-string decode, ...) ends alone with an error (DESIGN.md §9)."""
+        (finish check, stop-string decode, ...) ends alone with an error (DESIGN.md §9).
+        A request that finished after this batch was launched (overlap) is skipped: its
+        extra token is dropped, and its KV was released when it finished."""
+        advanced = []
         for i, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
+            advanced.append(req)
             try:
                 self._process_result_of(batch, result, i)
             except Exception as e:  # noqa: BLE001 - the second wall
                 self._abort_on_error(req, "processing its output", e)
         self.running = [r for r in self.running if not r.finished()]
-        self.send_outputs(batch.reqs)
+        self.send_outputs(advanced)
 
-    def _process_result_of(self, batch: ScheduleBatch, result: GenerationBatchResult, i: int) -> None:
+    def _process_result_of(self, batch: ScheduleBatch, result: HostBatchResult, i: int) -> None:
         req, token_id = batch.reqs[i], result.next_token_ids[i]
-        req.kv_len += batch.extend_lens[i] if batch.forward_mode.is_extend() else 1
         prefilling = batch.is_prefill(i)  # False for running requests mixed into a prefill
         if prefilling and result.input_logprobs and result.input_logprobs[i] is not None:
             self._record_input_logprobs(req, result.input_logprobs[i])
@@ -390,6 +403,7 @@ class Scheduler:
                 self.chunked_req = None
                 self.kv.release(req)
             return
+        req.pending_tokens -= 1
         if req is self.chunked_req:
             self.chunked_req = None
         if prefilling:
@@ -430,7 +444,7 @@ class Scheduler:
         req.input_token_ids_logprobs = logprobs.token_ids_logprobs
 
     @staticmethod
-    def _record_output_logprobs(req: Req, result: GenerationBatchResult, i: int, token_id: int | None) -> None:
+    def _record_output_logprobs(req: Req, result: HostBatchResult, i: int, token_id: int | None) -> None:
         """Record the logprobs of the position after `req`'s last token; `token_id` is the
         token sampled there (None for a prefill-only request, which gets none)."""
         if token_id is not None:
@@ -441,59 +455,11 @@ class Scheduler:
 
     # ---- output --------------------------------------------------------------------
     def send_outputs(self, reqs: list[Req]) -> None:
-        """One BatchTokenIDOutput for every request that has something to report. A request
-        whose record cannot be built is sent as an error finish instead."""
-        out = BatchTokenIDOutput()
-        interval = self.server_args.stream_interval
-        for req in reqs:
-            new_len = len(req.output_ids) - req.sent_len
-            due = req.finished() or (req.stream and new_len > 0 and (req.sent_len == 0 or new_len >= interval))
-            if not due:
-                continue
-            try:
-                record = self._output_record(req)
-            except Exception as e:  # noqa: BLE001 - the second wall
-                self._abort_on_error(req, "building its output", e)
-                record = self._error_record(req)
-            out.append(**record)
-            req.sent_len = len(req.output_ids)
-            req.sent_detokenize_params = True
-        if out.rids:
+        """One BatchTokenIDOutput for every request of `reqs` that has something due."""
+        out = build_batch_output(reqs, self.server_args.stream_interval,
+                                 lambda req, e: self._abort_on_error(req, "building its output", e))
+        if out is not None:
             self.io.send_output(out)
-
-    @staticmethod
-    def _output_record(req: Req) -> dict:
-        """`req`'s entries of a BatchTokenIDOutput: what is new since its last output."""
-        first = not req.sent_detokenize_params
-        logprobs = req.return_logprob
-        return {
-            "rids": req.rid,
-            "new_token_ids": req.output_ids[req.sent_len :],
-            "finished_reasons": req.finished_reason,
-            "detokenize_params": req.detokenize_params() if first else None,
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "retractions": req.retractions,
-            "output_token_logprobs": req.output_token_logprobs[req.sent_len :] if logprobs else None,
-            "output_top_logprobs": req.output_top_logprobs[req.sent_len :] if logprobs else None,
-            "input_token_logprobs": req.input_token_logprobs if logprobs and first else None,
-            "input_top_logprobs": req.input_top_logprobs if logprobs and first else None,
-            "output_token_ids_logprobs": req.output_token_ids_logprobs[req.sent_len :] if logprobs else None,
-            "input_token_ids_logprobs": req.input_token_ids_logprobs if logprobs and first else None,
-        }
-
-    @staticmethod
-    def _error_record(req: Req) -> dict:
-        """The last record of a request ended by `_abort_on_error`: its finish, no new ids
-        (the detokenizer passes an unknown id without DetokenizeParams through as "")."""
-        return {
-            "rids": req.rid, "new_token_ids": [], "finished_reasons": req.finished_reason,
-            "detokenize_params": None, "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens, "retractions": req.retractions, "output_token_logprobs": None,
-            "output_top_logprobs": None, "input_token_logprobs": None, "input_top_logprobs": None,
-            "output_token_ids_logprobs": None, "input_token_ids_logprobs": None,
-        }
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0,
@@ -507,17 +473,20 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     faulthandler.register(signal.SIGUSR1)
     ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
+    name = f"scheduler_TP{tp_rank}"
     try:
-        io = SchedulerIO(port_args, server_args.skip_tokenizer_init)
+        tp = init_tp_group(tp_rank, server_args.tp_size, server_args.device,
+                           rendezvous_method(port_args.ipc_dir), server_args.base_gpu_id)
+        io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp)
         scheduler = Scheduler(server_args, io, tp_rank=tp_rank, forward_stamp=forward_stamp)
     except Exception as e:  # report the start-up failure, then exit
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        zmq_io.send(ready, ReadyMessage(process="scheduler", ok=False, error=f"{type(e).__name__}: {e}"))
+        zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    zmq_io.send(ready, ReadyMessage(process="scheduler", info=scheduler.info()))
+    zmq_io.send(ready, ReadyMessage(process=name, info=scheduler.info()))
     scheduler.watchdog.start(on_timeout=report_scheduler_failure)
     try:
-        scheduler.event_loop_normal()
+        scheduler.event_loop()
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         report_scheduler_failure()

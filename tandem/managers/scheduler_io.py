@@ -3,9 +3,9 @@
 The scheduler never touches a socket: it calls `recv` for the messages that arrived,
 `wait` when it has nothing to run, `send_output` for each step's `BatchTokenIDOutput`
 and `send_reply` for the answers to control messages. So the loop runs in-process
-against any object with these four methods (tests use an in-memory one), and tensor
-parallelism can wrap this one: rank 0 receives and broadcasts the list to the other
-ranks, which receive by broadcast and send nothing.
+against any object with these four methods (tests use an in-memory one). Under tensor
+parallelism `TpSchedulerIO` wraps the sockets: rank 0 receives and broadcasts the list
+to the other ranks, which receive by broadcast and send nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from tandem.distributed import TpGroup
 from tandem.server_args import PortArgs
 from tandem.utils import zmq_io
 
@@ -64,3 +65,43 @@ class SchedulerIO:
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
+
+
+class TpSchedulerIO:
+    """The I/O of one rank of a tensor-parallel group. Rank 0 holds the sockets and
+    broadcasts every list it receives over the group's CPU (gloo) group; the other ranks
+    have no socket: `recv` returns rank 0's list, `wait` returns at once (they wait in
+    the next `recv`), and what they send goes nowhere. So every rank handles the same
+    messages in the same order and forms the same batches; a rank that diverged would
+    hang the forward's collectives."""
+
+    def __init__(self, tp: TpGroup, sockets: SchedulerIO | None):
+        self.tp = tp
+        self.sockets = sockets
+
+    def recv(self) -> list[Any]:
+        return self.tp.broadcast_objects(self.sockets.recv() if self.sockets is not None else None)
+
+    def wait(self, timeout_ms: int) -> None:
+        if self.sockets is not None:
+            self.sockets.wait(timeout_ms)
+
+    def send_output(self, out: Any) -> None:
+        if self.sockets is not None:
+            self.sockets.send_output(out)
+
+    def send_reply(self, msg: Any) -> None:
+        if self.sockets is not None:
+            self.sockets.send_reply(msg)
+
+    def close(self) -> None:
+        if self.sockets is not None:
+            self.sockets.close()
+
+
+def make_scheduler_io(port_args: PortArgs, skip_tokenizer_init: bool, tp: TpGroup) -> SchedulerIOBase:
+    """The sockets alone with one rank; with several, each rank's `TpSchedulerIO`
+    (only rank 0 opens sockets)."""
+    if tp.size == 1:
+        return SchedulerIO(port_args, skip_tokenizer_init)
+    return TpSchedulerIO(tp, SchedulerIO(port_args, skip_tokenizer_init) if tp.is_first_rank else None)

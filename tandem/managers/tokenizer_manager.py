@@ -31,6 +31,7 @@ import zmq.asyncio
 
 import tandem
 from tandem.managers.io_struct import (
+    AbortLabelReq,
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
@@ -45,6 +46,7 @@ from tandem.managers.io_struct import (
     TokenizedGenerateReqInput,
     error_finish_reason,
 )
+from tandem.managers.multi_tokenizer import rid_prefix
 from tandem.managers.text_encoder import TextEncoder
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
@@ -83,7 +85,10 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any]):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any],
+                 worker_id: int | None = None):
+        """`worker_id`: this manager's number among --tokenizer-worker-num N > 1 worker
+        processes (None: the only one)."""
         self.server_args = server_args
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
         self.text_encoder = None if self.tokenizer is None else TextEncoder(self.tokenizer)
@@ -94,10 +99,12 @@ class TokenizerManager:
         # Label -> internal ids of the running requests it names: a request's own label, and
         # the label of an n > 1 request for all its samples (whose own labels are "{rid}-{i}").
         self.label_to_rids: dict[str, list[str]] = {}
-        # Internal ids are "{prefix}-{counter}". The prefix names this manager (several
-        # tokenizer workers would put their index in it so that outputs find their owner).
-        self._rid_prefix = uuid.uuid4().hex[:8]
+        # Internal ids are "{prefix}-{counter}"; the prefix starts with the worker's number,
+        # so that outputs find their owner (managers/multi_tokenizer.py).
+        self.worker_id = worker_id
+        self._rid_prefix = rid_prefix(worker_id or 0)
         self._rid_counter = itertools.count()
+        self.num_requests = 0  # requests (samples) sent to the scheduler
         self._control_waiters: dict[str, asyncio.Future] = {}
         # Set on SIGTERM/SIGINT (entrypoints/shutdown.py): new requests get 503, /health 503.
         self.draining = False
@@ -105,8 +112,17 @@ class TokenizerManager:
         self.last_receive_tstamp = 0.0
         ctx = zmq.asyncio.Context(2)
         self.send_to_scheduler = zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
-        self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer, bind=True)
-        self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_tokenizer, bind=True)
+        # Other workers, told of an /abort_request by label that may name their requests.
+        self._peers: list[zmq.asyncio.Socket] = []
+        if worker_id is None:
+            self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer,
+                                                            bind=True)
+            self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_tokenizer, bind=True)
+            self._recv_socks = [self.recv_from_detokenizer, self.recv_from_scheduler]
+        else:  # outputs (detokenizer), control replies (the main process's router), peers' aborts
+            self._recv_socks = [zmq_io.make_socket(ctx, zmq.PULL, port_args.tokenizer_worker(worker_id), bind=True)]
+            self._peers = [zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_worker(k), bind=False)
+                           for k in range(server_args.tokenizer_worker_num) if k != worker_id]
         self._loop_tasks: list[asyncio.Task] = []
 
     # ---- requests ------------------------------------------------------------------
@@ -144,6 +160,7 @@ class TokenizerManager:
                              top_logprobs_num=req.top_logprobs_num,
                              token_ids_logprob=req.token_ids_logprob is not None)
             self.rid_to_state[req.rid] = state
+            self.num_requests += 1
             for name in filter(None, (label, group)):
                 self.label_to_rids.setdefault(name, []).append(req.rid)
             zmq_io.send(self.send_to_scheduler, req)
@@ -268,11 +285,17 @@ class TokenizerManager:
     def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
         """Stop the running request(s) labelled `rid` (every sample of an n > 1 request),
         or all: queued ones leave the queue, running ones stop within a step. With
-        `abort_all`, `message` is the finish_reason's message."""
+        `abort_all`, `message` is the finish_reason's message. Under several tokenizer
+        workers, the other workers abort what they run under the label too."""
         if abort_all:
             zmq_io.send(self.send_to_scheduler, AbortReq(abort_all=True, message=message))
             return
-        for internal in self.label_to_rids.get(rid, []):
+        for peer in self._peers:
+            zmq_io.send(peer, AbortLabelReq(label=rid))
+        self._abort_label(rid)
+
+    def _abort_label(self, label: str) -> None:
+        for internal in self.label_to_rids.get(label, []):
             self._send_abort(internal)
 
     def _send_abort(self, rid: str) -> None:
@@ -281,7 +304,7 @@ class TokenizerManager:
 
     async def get_server_state(self, timeout: float = 10.0) -> ServerStateOutput:
         """Live scheduler counts (memory, queue lengths)."""
-        return await self._control_call(GetServerStateReq(request_id=uuid.uuid4().hex), timeout)
+        return await self._control_call(GetServerStateReq(request_id=self._new_rid()), timeout)
 
     async def server_info(self) -> dict[str, Any]:
         """Resolved arguments (api_key hidden), capacities and the live scheduler counts."""
@@ -289,15 +312,18 @@ class TokenizerManager:
         args = {k: v for k, v in self.server_args.to_dict().items() if k != "api_key"}
         live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
         # SGLang's keys: the live counts per data-parallel rank, and the version.
-        return {**args, **self.scheduler_info, **live, "internal_states": [live], "version": tandem.__version__}
+        info = {**args, **self.scheduler_info, **live, "internal_states": [live], "version": tandem.__version__}
+        if self.worker_id is not None:  # which worker answered, and how many requests it has sent
+            info.update(tokenizer_worker_id=self.worker_id, tokenizer_worker_num_requests=self.num_requests)
+        return info
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheOutput:
         """Empty the prefix cache; the scheduler refuses while requests run or wait."""
-        return await self._control_call(FlushCacheReq(request_id=uuid.uuid4().hex), timeout)
+        return await self._control_call(FlushCacheReq(request_id=self._new_rid()), timeout)
 
     async def profile(self, req: ProfileReq, timeout: float = 60.0) -> ProfileReqOutput:
         """Start or stop the scheduler's torch profiler (stopping writes the trace)."""
-        req.request_id = uuid.uuid4().hex
+        req.request_id = self._new_rid()
         if req.action == "start":
             req.profile_id = req.profile_id or str(time.time())
         return await self._control_call(req, timeout)
@@ -330,8 +356,7 @@ class TokenizerManager:
             for t in self._loop_tasks:
                 t.cancel()
             loop = asyncio.get_running_loop()
-            self._loop_tasks = [loop.create_task(self.handle_loop(self.recv_from_detokenizer)),
-                                loop.create_task(self.handle_loop(self.recv_from_scheduler))]
+            self._loop_tasks = [loop.create_task(self.handle_loop(sock)) for sock in self._recv_socks]
 
     async def handle_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -343,6 +368,8 @@ class TokenizerManager:
                 future = self._control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
+            elif isinstance(msg, AbortLabelReq):
+                self._abort_label(msg.label)
             else:
                 logger.error("tokenizer manager got an unknown message %r", type(msg))
 

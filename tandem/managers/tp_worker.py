@@ -1,37 +1,93 @@
 """`TpModelWorker`: one tensor-parallel rank's model worker.
 
-It turns a `ScheduleBatch` (whose KV slots the scheduler has allocated) into next
-token ids: ForwardBatch -> ModelRunner.forward -> sampler. The overlap scheduler will
-wrap this same call in a forward thread/stream; keep it free of scheduler state.
+It runs a `ModelWorkerBatch` (the scheduler's snapshot of a batch, whose KV slots the
+scheduler has allocated): ModelRunner.forward, then sampling (a separate call, so a
+caller can sample later or differently). It reads no scheduler state and returns device
+tensors; `GenerationBatchResult.to_host` turns them into Python lists when the
+scheduler processes the result. Sampled ids also go into the `FutureMap`, from which
+the next forward reads the inputs that the scheduler could only name by placeholder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from tandem.layers.logits_processor import InputLogprobs, token_ids_logprobs, top_logprobs
-from tandem.managers.schedule_batch import ScheduleBatch
+from tandem.layers.logits_processor import InputLogprobs, LogitsProcessorOutput
+from tandem.managers.future_map import FutureMap
+from tandem.managers.schedule_batch import ModelWorkerBatch
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.server_args import ServerArgs
 
 
 @dataclass
-class GenerationBatchResult:
+class HostBatchResult:
+    """A forward's result as Python values, one entry per request of the batch."""
+
     next_token_ids: list[int]
     # Filled only for requests that asked for logprobs (else None per request).
-    next_token_logprobs: list[float | None] = field(default_factory=list)
-    next_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    next_token_logprobs: list[float | None]
+    next_top_logprobs: list[list[tuple[float, int]] | None]
     # (logprob, token_id) of each id of the request's token_ids_logprob (None: none asked).
-    next_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    input_logprobs: list[InputLogprobs | None] = field(default_factory=list)
+    next_token_ids_logprobs: list[list[tuple[float, int]] | None]
+    input_logprobs: list[InputLogprobs | None]
+
+
+@dataclass
+class GenerationBatchResult:
+    """A forward's result as the worker made it: tensors on its device. Output logprobs
+    cover only `logprob_rows`, the requests that asked for them."""
+
+    next_token_ids: torch.Tensor  # [bs]
+    input_logprobs: list[InputLogprobs | None]
+    logprob_rows: list[int] = field(default_factory=list)
+    token_logprobs: torch.Tensor | None = None  # [rows] logprob of the sampled id
+    top_values: torch.Tensor | None = None  # [rows, k_max]
+    top_ids: torch.Tensor | None = None
+    token_ids_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per row
+    # Recorded after the copies to the host were queued (CUDA); None: already on the host.
+    copy_done: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Queue the device-to-host copies and record `copy_done` (no-op on CPU)."""
+        if self.next_token_ids.device.type != "cuda":
+            return
+        def host(t):
+            return None if t is None else t.to("cpu", non_blocking=True)
+        self.next_token_ids, self.token_logprobs = host(self.next_token_ids), host(self.token_logprobs)
+        self.top_values, self.top_ids = host(self.top_values), host(self.top_ids)
+        self.token_ids_logprobs = [host(t) for t in self.token_ids_logprobs]
+        self.copy_done = torch.cuda.Event()
+        self.copy_done.record()
+
+    def to_host(self, mwb: ModelWorkerBatch) -> HostBatchResult:
+        """The lists the scheduler works with (waits for `copy_done` first)."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        bs = len(mwb.return_logprob)
+        out = HostBatchResult(self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs,
+                              self.input_logprobs)
+        if not self.logprob_rows:
+            return out
+        chosen = self.token_logprobs.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        for j, i in enumerate(self.logprob_rows):
+            k = mwb.top_logprobs_nums[i]
+            out.next_token_logprobs[i] = chosen[j]
+            out.next_top_logprobs[i] = list(zip(values[j][:k], ids[j][:k]))
+            wanted = mwb.token_ids_logprob[i]
+            if wanted is not None:
+                out.next_token_ids_logprobs[i] = list(zip(self.token_ids_logprobs[j].tolist(), wanted))
+        return out
 
 
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
         self.model_runner = ModelRunner(server_args, tp_rank=tp_rank, tp_size=tp_size)
         self.device = self.model_runner.device
+        self.future_map = FutureMap(self.model_runner.req_to_token_pool.size, self.device)
 
     @property
     def req_to_token_pool(self):
@@ -42,32 +98,42 @@ class TpModelWorker:
         return self.model_runner.token_to_kv_pool
 
     @torch.inference_mode()
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        fb = batch.to_forward_batch(self.device)
-        out = self.model_runner.forward(fb)
-        info = batch.sampling_info(self.model_runner.vocab_size, self.device)
-        next_ids = self.model_runner.sample(out.next_token_logits, info)
-        result = GenerationBatchResult(next_token_ids=next_ids.tolist(), input_logprobs=out.input_logprobs)
-        self._output_logprobs(batch, out.next_token_logits, next_ids, result)
-        return result
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        """Forward, sample, gather the wanted logprobs; the result stays on the device."""
+        out = self.forward(mwb)
+        next_ids = self.sample(out.next_token_logits, mwb)
+        return self._result(mwb, out, next_ids)
+
+    @torch.inference_mode()
+    def forward(self, mwb: ModelWorkerBatch) -> LogitsProcessorOutput:
+        fb = mwb.forward_batch
+        fb.input_ids = self.future_map.resolve(fb.input_ids)
+        return self.model_runner.forward(fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, mwb: ModelWorkerBatch) -> torch.Tensor:
+        """Next ids [bs] from `logits`; they are also stored for the next forward's inputs."""
+        info = mwb.sampling_info
+        if info.penalties is not None:
+            info = dataclasses.replace(info, penalties=info.penalties.resolved(self.future_map.resolve))
+        next_ids = self.model_runner.sample(logits, info)
+        self.future_map.store(mwb.forward_batch.req_pool_indices, next_ids)
+        return next_ids
 
     @staticmethod
-    def _output_logprobs(batch: ScheduleBatch, logits: torch.Tensor, next_ids: torch.Tensor,
-                         result: GenerationBatchResult) -> None:
-        wanted = [i for i, r in enumerate(batch.reqs) if r.return_logprob]
-        result.next_token_logprobs = [None] * batch.batch_size()
-        result.next_top_logprobs = [None] * batch.batch_size()
-        result.next_token_ids_logprobs = [None] * batch.batch_size()
-        if not wanted:
-            return
-        rows = torch.tensor(wanted, device=logits.device)
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        chosen = logprobs.gather(1, next_ids[rows].unsqueeze(1)).squeeze(1).tolist()
-        k_max = max(batch.reqs[i].top_logprobs_num for i in wanted)
-        tops = top_logprobs(logprobs, k_max)
-        for j, i in enumerate(wanted):
-            result.next_token_logprobs[i] = chosen[j]
-            result.next_top_logprobs[i] = tops[j][: batch.reqs[i].top_logprobs_num]
-            if batch.reqs[i].token_ids_logprob is not None:
-                result.next_token_ids_logprobs[i] = token_ids_logprobs(
-                    logprobs[j : j + 1], batch.reqs[i].token_ids_logprob)[0]
+    def _result(mwb: ModelWorkerBatch, out: LogitsProcessorOutput, next_ids: torch.Tensor) -> GenerationBatchResult:
+        result = GenerationBatchResult(next_token_ids=next_ids, input_logprobs=out.input_logprobs)
+        rows = [i for i, wanted in enumerate(mwb.return_logprob) if wanted]
+        if rows:
+            logits = out.next_token_logits
+            logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+            result.logprob_rows = rows
+            result.token_logprobs = logprobs.gather(1, next_ids[rows].unsqueeze(1)).squeeze(1)
+            k_max = max(mwb.top_logprobs_nums[i] for i in rows)
+            result.top_values, result.top_ids = logprobs.topk(k_max, dim=-1)
+            result.token_ids_logprobs = [
+                None if mwb.token_ids_logprob[i] is None else
+                logprobs[j, torch.tensor(mwb.token_ids_logprob[i], dtype=torch.int64, device=logits.device)]
+                for j, i in enumerate(rows)]
+        result.copy_to_host()
+        return result

@@ -85,12 +85,13 @@ class ReqKVManager:
         return slots
 
     # ---- caching and release -------------------------------------------------------
-    def _insert(self, req: "Req") -> None:
-        """Hand the request's computed KV to the cache (a radix tree keeps what it lacks)."""
+    def _insert(self, req: "Req", kv_len: int) -> None:
+        """Hand the request's first `kv_len` computed tokens to the cache (a radix tree
+        keeps what it lacks)."""
         if not isinstance(self.tree_cache, RadixCache):
             return
-        row_slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len]
-        present = self.tree_cache.insert(req.seq_ids[: req.kv_len], row_slots)
+        row_slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len]
+        present = self.tree_cache.insert(req.seq_ids[:kv_len], row_slots)
         if present > req.cache_owned_len:  # computed again what the tree already had
             self.token_to_kv_pool.free(row_slots[req.cache_owned_len : present].clone())
 
@@ -99,7 +100,7 @@ class ReqKVManager:
         it, and switch the request's row and lock to the cache's copy."""
         if not isinstance(self.tree_cache, RadixCache) or req.kv_len == 0:
             return
-        self._insert(req)
+        self._insert(req, req.kv_len)
         match = self.tree_cache.match_prefix(req.seq_ids[: req.kv_len])
         assert match.slots.numel() == req.kv_len
         self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
@@ -110,14 +111,22 @@ class ReqKVManager:
 
     def release(self, req: "Req") -> None:
         """The request stops holding KV (finished, aborted or retracted): its KV goes to
-        the cache (radix) or back to the pool (no cache); its row is freed."""
+        the cache (radix) or back to the pool (no cache); its row is freed.
+
+        Under the overlap loop a finished request may have one more decode in flight,
+        computing the KV of its last output token: that slot is freed, not cached, so
+        the cache holds what it would without overlap (never the last token's KV)."""
         row = req.req_pool_idx
         if row is None:
             return
+        kept = min(req.kv_len, req.seq_len - 1) if req.output_ids else req.kv_len
         if isinstance(self.tree_cache, RadixCache):
-            self._insert(req)
+            self._insert(req, kept)
+            extra = self.req_to_token_pool.req_to_token[row, kept : req.kv_len]
         else:
-            self.token_to_kv_pool.free(self.req_to_token_pool.req_to_token[row, : req.kv_len].clone())
+            extra = self.req_to_token_pool.req_to_token[row, : req.kv_len]
+        if extra.numel():
+            self.token_to_kv_pool.free(extra.clone())
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(row)

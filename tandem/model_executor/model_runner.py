@@ -76,7 +76,7 @@ class ModelRunner:
         if self.server_args.load_format == "dummy":
             initialize_dummy_weights(model, self.server_args.random_seed)
         else:
-            model.load_weights(iterate_weights(self.server_args.model_path))
+            model.load_weights(iterate_weights(self.server_args.model_path, show_progress=tp_rank == 0))
         model.process_weights_after_loading(self.server_args.linear_backend)
         self.model = model.eval()
         attn = self.model.model.layers[0].self_attn

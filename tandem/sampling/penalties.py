@@ -10,12 +10,16 @@ Applied to a copy of the logits before sampling (greedy included), in this order
                       that many tokens.
 Reported logprobs stay those of the model's own distribution (the caller keeps the
 unadjusted logits). State is rebuilt from the token lists at every step, so retraction,
-chunked prefill and n > 1 need no bookkeeping here.
+chunked prefill and n > 1 need no bookkeeping here. An output token whose forward has not
+returned yet (the overlap loop) is a FutureMap placeholder, resolved by the worker
+(`resolved`) before the adjustments are applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,7 +32,7 @@ class PenaltyInput:
 
     params: SamplingParams
     prompt_ids: list[int]
-    output_ids: list[int]
+    output_ids: list[int]  # every sampled token, pending ones as placeholders
     # Ids masked while len(output_ids) < params.min_new_tokens (stop token ids, EOS).
     min_tokens_banned: list[int]
 
@@ -89,6 +93,11 @@ class PenaltyBatch:
             seen_rows=ids(seen_rows), seen_tokens=ids(seen_tokens),
             banned_rows=ids(ban_rows), banned_tokens=ids(ban_tokens),
         )
+
+    def resolved(self, resolve: Callable[[torch.Tensor], torch.Tensor]) -> "PenaltyBatch":
+        """This batch with its token ids passed through `resolve` (FutureMap.resolve)."""
+        return dataclasses.replace(self, output_tokens=resolve(self.output_tokens),
+                                   seen_tokens=resolve(self.seen_tokens))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """[bs, vocab] float32 logits -> adjusted logits (a new tensor)."""

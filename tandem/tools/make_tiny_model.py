@@ -3,7 +3,7 @@
 Usage::
 
     python -m tandem.tools.make_tiny_model --arch llama|qwen2 --out DIR \\
-        [--preset tiny|7m|100m] [--seed 0]
+        [--preset tiny|tiny-mqa|7m|100m] [--seed 0]
 
 or :func:`make_tiny_model` from Python. The directory holds:
 

@@ -10,6 +10,8 @@ costs them about a millisecond or two per step. So:
   long enough that the extra thread's compute outweighs that stall (large models).
   Measured on 2 cores (docs/benchmarks.md): a 7M model streams ~15% more tokens/s with
   one decode thread, a 100M model far more with two.
+The ranks of a tensor-parallel group on one machine split its cores evenly (each rank's
+"every core" is its share), so that no two compute threads share a core.
 OMP_NUM_THREADS, when set, fixes the count for everything.
 """
 
@@ -35,11 +37,12 @@ class ComputeThreads:
     decode_step_ema: float | None = None
 
     @classmethod
-    def for_device(cls, device: str) -> "ComputeThreads | None":
-        """The policy for a CPU scheduler, or None (GPU, or OMP_NUM_THREADS set)."""
+    def for_device(cls, device: str, ranks: int = 1) -> "ComputeThreads | None":
+        """The policy for a CPU scheduler, one of `ranks` sharing the machine, or None
+        (GPU, or OMP_NUM_THREADS set)."""
         if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
             return None
-        cores = len(os.sched_getaffinity(0))
+        cores = max(1, len(os.sched_getaffinity(0)) // ranks)
         return cls(cores=cores, decode=max(1, cores - 1))
 
     def apply(self, mode: ForwardMode) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear_kernel import PackedCpuLinear, can_pack, make_linear_kernel
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.empty(2, 2)),
@@ -62,8 +63,9 @@ def test_layers_free_the_weight_unless_kept():
     assert col.weight.numel() == 0 and row.weight.numel() == 0  # the packed copy is the only one
     torch.testing.assert_close(row(col(x)), expected, rtol=1e-5, atol=1e-5)
 
-    head = ReplicatedLinear(16, 10)
-    embed = torch.nn.Embedding(10, 16)
+    head = ParallelLMHead(10, 16)
+    embed = VocabParallelEmbedding(10, 16)
+    embed.weight.data.normal_()
     head.weight = embed.weight
     head.process_weights_after_loading("auto", keep_weight=True)
     assert head.weight is embed.weight and embed.weight.shape == (10, 16)

@@ -6,7 +6,6 @@ on real sockets; a request is poisoned with a value the HTTP boundary would refu
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import shutil
 
@@ -23,11 +22,11 @@ from tandem.managers.io_struct import (
     GenerateReqInput,
     TokenizedGenerateReqInput,
 )
-from tandem.managers.scheduler import Scheduler
 from tandem.managers.tokenizer_manager import TokenizerManager
-from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
+
+from scheduler_harness import SchedulerHarness
 
 
 @pytest.fixture
@@ -55,55 +54,9 @@ def assert_error_finish(reason: dict, where: str, exc_name: str) -> None:
 
 
 # ---- scheduler ------------------------------------------------------------------------
-class SchedulerHarness:
-    """A real Scheduler on the tiny model, its outputs read from a real PULL socket."""
-
-    def __init__(self, model_dir, port_args: PortArgs):
-        self.outputs = pull(port_args.scheduler_to_detokenizer)
-        self.scheduler = Scheduler(ServerArgs(model_path=str(model_dir), max_total_tokens=2048), port_args)
-        self.released: collections.Counter = collections.Counter()
-        release = self.scheduler.kv.release
-
-        def counting_release(req) -> None:
-            self.released[req.rid] += req.req_pool_idx is not None
-            release(req)
-
-        self.scheduler.kv.release = counting_release
-
-    def submit(self, rid: str, stream: bool = False, input_ids: list[int] | None = None, **params) -> None:
-        sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0)
-        for name, value in params.items():
-            setattr(sp, name, value)  # NOTE: unchecked on purpose, to poison a request
-        self.scheduler.process_input_requests([TokenizedGenerateReqInput(
-            rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream)])
-
-    def run_until_idle(self) -> dict[str, dict]:
-        """Step until nothing runs; the finish reason of every request that finished."""
-        s = self.scheduler
-        while (batch := s.get_next_batch_to_run()) is not None:
-            s.process_batch_result(batch, s.run_batch(batch))
-        finishes = {}
-        for msg in drain(self.outputs):
-            for rid, reason in zip(msg.rids, msg.finished_reasons):
-                if reason is not None:
-                    assert rid not in finishes, f"{rid} finished twice"
-                    finishes[rid] = reason
-        return finishes
-
-    def close(self) -> None:
-        self.outputs.close()
-        self.scheduler.recv_from_tokenizer.context.destroy(linger=0)
-
-    def assert_memory_idle(self) -> None:
-        state = self.scheduler.server_state("check")
-        assert state.num_running_reqs == state.num_waiting_reqs == 0
-        assert state.free_kv_slots + state.evictable_cached_slots == state.max_total_num_tokens, state
-        assert state.protected_cached_slots == 0, state
-
-
-@pytest.fixture
-def harness(tiny_llama_dir, port_args):
-    h = SchedulerHarness(tiny_llama_dir, port_args)
+@pytest.fixture(params=["overlap", "normal"])
+def harness(tiny_llama_dir, request):
+    h = SchedulerHarness(tiny_llama_dir, disable_overlap_schedule=request.param == "normal")
     yield h
     h.close()
 
@@ -145,16 +98,14 @@ def test_scheduler_request_whose_output_record_raises_ends_alone(harness):
     harness.assert_memory_idle()
 
 
-def test_scheduler_failing_forward_is_fatal(harness, port_args):
+def test_scheduler_failing_forward_is_fatal(harness):
     def broken_forward(batch):
         raise RuntimeError("forward failed")
 
     harness.scheduler.worker.forward_batch_generation = broken_forward
-    to_scheduler = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.tokenizer_to_scheduler, bind=False)
-    zmq_io.send(to_scheduler, TokenizedGenerateReqInput(rid="x", input_ids=[1, 2], sampling_params=SamplingParams()))
+    harness.submit("x")
     with pytest.raises(RuntimeError, match="forward failed"):
-        harness.scheduler.event_loop_normal()
-    to_scheduler.close()
+        harness.scheduler.event_loop()
 
 
 # ---- detokenizer ----------------------------------------------------------------------

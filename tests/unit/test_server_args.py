@@ -14,12 +14,12 @@ from tandem.sglang_flags import COMPAT_FLAGS
 
 # One non-default value per flag, as a user would pass it.
 SET_VALUES = {
-    "tp_size": ["2"], "dp_size": ["2"], "pp_size": ["2"], "ep_size": ["2"], "nnodes": ["2"],
-    "tokenizer_worker_num": ["2"], "load_format": ["pt"], "page_size": ["16"], "kv_cache_dtype": ["fp8_e5m2"],
+    "tp_size": ["0"], "dp_size": ["2"], "pp_size": ["2"], "ep_size": ["2"], "nnodes": ["2"],
+    "tokenizer_worker_num": ["0"], "load_format": ["pt"], "page_size": ["16"], "kv_cache_dtype": ["fp8_e5m2"],
     "attention_backend": ["triton"], "quantization": ["fp8"], "lora_paths": ["a=/x", "b=/y"],
     "speculative_algorithm": ["EAGLE"], "speculative_draft_model_path": ["/draft"], "reasoning_parser": ["qwen3"],
     "tool_call_parser": ["llama3"], "revision": ["main"], "tokenizer_mode": ["slow"], "cuda_graph_max_bs": ["8"],
-    "cuda_graph_bs": ["1", "2"], "torch_compile_max_bs": ["8"], "base_gpu_id": ["1"], "grammar_backend": ["xgrammar"],
+    "cuda_graph_bs": ["1", "2"], "torch_compile_max_bs": ["8"], "base_gpu_id": ["-1"], "grammar_backend": ["xgrammar"],
     "sampling_backend": ["flashinfer"], "decode_log_interval": ["10"],
 }
 
@@ -58,7 +58,9 @@ def test_every_sglang_flag(flag, caplog):
 
 @pytest.mark.parametrize("argv,dest,value", [
     (["--tp", "1"], "tp_size", 1), (["--tensor-parallel-size", "1"], "tp_size", 1), (["--dp", "1"], "dp_size", 1),
-    (["--tokenizer-worker-num", "1"], "tokenizer_worker_num", 1), (["--load-format", "dummy"], "load_format", "dummy"),
+    (["--tp-size", "2"], "tp_size", 2), (["--tp", "4"], "tp_size", 4), (["--base-gpu-id", "1"], "base_gpu_id", 1),
+    (["--tokenizer-worker-num", "1"], "tokenizer_worker_num", 1),
+    (["--tokenizer-worker-num", "2"], "tokenizer_worker_num", 2), (["--load-format", "dummy"], "load_format", "dummy"),
     (["--load-format", "safetensors"], "load_format", "safetensors"), (["--page-size", "1"], "page_size", 1),
     (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
     (["--attention-backend", "torch_native"], "attention_backend", "torch_native"),

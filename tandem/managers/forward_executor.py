@@ -1,0 +1,126 @@
+"""Where the scheduler's forwards run, and how busy they keep the model.
+
+`ForwardExecutor` runs each launched forward at once, on the scheduler's thread (the
+normal loop). `ForwardThread` (the overlap loop) hands it to a dedicated forward thread
+through a queue and returns at once: PyTorch releases the GIL inside its kernels, so the
+scheduler processes the previous result and forms the next batch meanwhile. On CUDA
+that thread issues its kernels on its own stream, after an event recorded at launch
+(the scheduler's writes of KV slots and rows come first). Forwards run one at a time in
+launch order in both, which is what `FutureMap` relies on.
+
+`ForwardStats` measures, per forward, how long it computed (busy) and how long the
+forward lane sat idle waiting for the scheduler before it (idle); a gap after the
+scheduler had nothing to run is not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from tandem.managers.schedule_batch import ModelWorkerBatch
+from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from tandem.utils.cpu_threads import ComputeThreads
+
+logger = logging.getLogger(__name__)
+
+# Forwards over which the rolling idle fraction is taken.
+STATS_WINDOW = 100
+
+
+class ForwardStats:
+    def __init__(self, window: int = STATS_WINDOW):
+        self._steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self._last_end: float | None = None
+
+    def record(self, start: float, end: float) -> None:
+        idle = 0.0 if self._last_end is None else max(0.0, start - self._last_end)
+        self._last_end = end
+        self._steps.append((end - start, idle))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("forward busy %.2f ms, idle before it %.2f ms, rolling idle fraction %.3f",
+                         (end - start) * 1e3, idle * 1e3, self.idle_fraction())
+
+    def mark_idle(self) -> None:
+        """The scheduler has nothing to run: the next gap is not its overhead."""
+        self._last_end = None
+
+    def idle_fraction(self) -> float:
+        """idle / (busy + idle) over the last STATS_WINDOW forwards (0 before any)."""
+        steps = list(self._steps)
+        busy, idle = sum(s[0] for s in steps), sum(s[1] for s in steps)
+        return idle / (busy + idle) if busy + idle > 0 else 0.0
+
+
+class ForwardExecutor:
+    """Runs each forward when it is launched, on the calling thread."""
+
+    def __init__(self, worker: TpModelWorker, ranks: int = 1):
+        """`ranks`: scheduler processes sharing this machine's cores (tensor parallelism)."""
+        self.worker = worker
+        self.compute_threads = ComputeThreads.for_device(str(worker.device), ranks=ranks)
+        self.stats = ForwardStats()
+
+    def launch(self, mwb: ModelWorkerBatch) -> "Future[GenerationBatchResult]":
+        future: Future[GenerationBatchResult] = Future()
+        future.set_result(self._run(mwb))
+        return future
+
+    def _run(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+        mode = mwb.forward_batch.forward_mode
+        if self.compute_threads is not None:
+            self.compute_threads.apply(mode)  # NOTE: per thread: the forward's own
+        start = time.perf_counter()
+        result = self.worker.forward_batch_generation(mwb)
+        if result.copy_done is not None:
+            result.copy_done.synchronize()
+        end = time.perf_counter()
+        if self.compute_threads is not None and mode.is_decode():
+            self.compute_threads.observe_decode(end - start)
+        self.stats.record(start, end)
+        return result
+
+    def close(self) -> None:
+        """Stop accepting forwards (nothing to do when they run inline)."""
+
+
+class ForwardThread(ForwardExecutor):
+    """Runs forwards on a dedicated thread (and, on CUDA, stream), in launch order."""
+
+    def __init__(self, worker: TpModelWorker, ranks: int = 1):
+        super().__init__(worker, ranks)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream() if str(worker.device).startswith("cuda") else None
+        self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
+        self._thread.start()
+
+    def launch(self, mwb: ModelWorkerBatch) -> "Future[GenerationBatchResult]":
+        future: Future[GenerationBatchResult] = Future()
+        launched = None
+        if self._stream is not None:
+            launched = torch.cuda.Event()
+            launched.record()  # after the scheduler's writes on its stream
+        self._queue.put((mwb, launched, future))
+        return future
+
+    def _loop(self) -> None:
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            while (item := self._queue.get()) is not None:
+                mwb, launched, future = item
+                if launched is not None:
+                    self._stream.wait_event(launched)
+                try:
+                    future.set_result(self._run(mwb))
+                except BaseException as e:  # noqa: BLE001 - re-raised in the scheduler's thread
+                    future.set_exception(e)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()

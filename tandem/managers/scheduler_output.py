@@ -1,0 +1,65 @@
+"""The scheduler's output builder: one `BatchTokenIDOutput` per step, from the requests
+that have something due (finished ones; streaming ones on their first token or after
+--stream-interval new tokens)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.managers.io_struct import BatchTokenIDOutput
+from tandem.managers.schedule_batch import Req
+
+
+def build_batch_output(reqs: list[Req], stream_interval: int,
+                       on_error: Callable[[Req, Exception], None]) -> BatchTokenIDOutput | None:
+    """Everything due of `reqs`, or None when nothing is. A request whose record cannot
+    be built is reported to `on_error` (which ends it) and sent as an error finish."""
+    out = BatchTokenIDOutput()
+    for req in reqs:
+        new_len = len(req.output_ids) - req.sent_len
+        due = req.finished() or (req.stream and new_len > 0 and (req.sent_len == 0 or new_len >= stream_interval))
+        if not due:
+            continue
+        try:
+            record = output_record(req)
+        except Exception as e:  # noqa: BLE001 - the second wall
+            on_error(req, e)
+            record = error_record(req)
+        out.append(**record)
+        req.sent_len = len(req.output_ids)
+        req.sent_detokenize_params = True
+    return out if out.rids else None
+
+
+def output_record(req: Req) -> dict:
+    """`req`'s entries of a BatchTokenIDOutput: what is new since its last output."""
+    first = not req.sent_detokenize_params
+    logprobs = req.return_logprob
+    return {
+        "rids": req.rid,
+        "new_token_ids": req.output_ids[req.sent_len :],
+        "finished_reasons": req.finished_reason,
+        "detokenize_params": req.detokenize_params() if first else None,
+        "prompt_tokens": req.prompt_len,
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "retractions": req.retractions,
+        "output_token_logprobs": req.output_token_logprobs[req.sent_len :] if logprobs else None,
+        "output_top_logprobs": req.output_top_logprobs[req.sent_len :] if logprobs else None,
+        "input_token_logprobs": req.input_token_logprobs if logprobs and first else None,
+        "input_top_logprobs": req.input_top_logprobs if logprobs and first else None,
+        "output_token_ids_logprobs": req.output_token_ids_logprobs[req.sent_len :] if logprobs else None,
+        "input_token_ids_logprobs": req.input_token_ids_logprobs if logprobs and first else None,
+    }
+
+
+def error_record(req: Req) -> dict:
+    """The last record of a request ended by an error: its finish, no new ids (the
+    detokenizer passes an unknown id without DetokenizeParams through as "")."""
+    return {
+        "rids": req.rid, "new_token_ids": [], "finished_reasons": req.finished_reason,
+        "detokenize_params": None, "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens, "retractions": req.retractions, "output_token_logprobs": None,
+        "output_top_logprobs": None, "input_token_logprobs": None, "input_top_logprobs": None,
+        "output_token_ids_logprobs": None, "input_token_ids_logprobs": None,
+    }

@@ -1,0 +1,104 @@
+"""Tensor parallelism on real servers (--tp-size 2: two scheduler processes, gloo on CPU).
+
+Greedy tokens and logprobs equal --tp-size 1's (the session server) on the tiny llama
+(heads, KV heads, vocabulary and intermediate size divide by 2); the one-KV-head model,
+whose KV head both ranks hold, equals transformers; seeded sampling equals --tp-size 1's
+with the same seeds; each rank is its own named process, and killing one takes the
+whole server down at once, leaving nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+
+import hf_reference
+from server_launcher import ServerHandle
+
+PROMPTS = [
+    "Hello",
+    "Once upon a time, in a land far away, there lived a small dragon who loved to read books about the sea.",
+    "1 2 3 4 5",
+]
+MAX_NEW_TOKENS = 24
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tiny_llama_dir):
+    with ServerHandle(tiny_llama_dir, extra_args=["--tp-size", "2"]) as handle:
+        yield handle
+
+
+def _generate(base_url: str, prompt: str, **sampling) -> dict:
+    r = httpx.post(base_url + "/generate", timeout=120, json={
+        "text": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, **sampling}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _assert_logprobs_close(got: list, want: list) -> None:
+    """[[logprob, token_id, text], ...] entries: same ids, logprobs within tolerance."""
+    assert [e[1] for e in got] == [e[1] for e in want]
+    for g, w in zip(got, want):
+        if w[0] is None:
+            assert g[0] is None
+        else:
+            assert abs(g[0] - w[0]) < LOGPROB_TOL, (g, w)
+
+
+def test_greedy_tokens_and_logprobs_equal_tp1(server, tp2_server):
+    for prompt in PROMPTS:
+        one = _generate(server.base_url, prompt, temperature=0)
+        two = _generate(tp2_server.base_url, prompt, temperature=0)
+        assert two["output_ids"] == one["output_ids"], prompt
+        assert two["text"] == one["text"]
+        m1, m2 = one["meta_info"], two["meta_info"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            _assert_logprobs_close(m2[key], m1[key])
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            assert len(m2[key]) == len(m1[key])
+            for got, want in zip(m2[key], m1[key]):
+                _assert_logprobs_close(got or [], want or [])
+
+
+def test_seeded_sampling_equals_tp1(server, tp2_server):
+    """Every rank samples from the same logits with the same generator states, so the
+    tokens are those of one process given the same seeds."""
+    for seed, prompt in enumerate(PROMPTS):
+        params = {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 100 + seed}
+        one = _generate(server.base_url, prompt, **params)
+        two = _generate(tp2_server.base_url, prompt, **params)
+        assert two["output_ids"] == one["output_ids"], prompt
+    unseeded = {tuple(_generate(tp2_server.base_url, "Hello", temperature=1.0)["output_ids"]) for _ in range(3)}
+    assert len(unseeded) > 1  # unseeded requests still draw fresh noise
+
+
+def test_replicated_kv_head_matches_transformers(tiny_mqa_dir):
+    """One KV head, two ranks: each holds a copy of it."""
+    expected = [hf_reference.greedy_ids(tiny_mqa_dir, hf_reference.encode(tiny_mqa_dir, p), MAX_NEW_TOKENS)
+                for p in PROMPTS]
+    with ServerHandle(tiny_mqa_dir, extra_args=["--tp", "2", "--skip-server-warmup"]) as server:
+        for prompt, ref in zip(PROMPTS, expected):
+            assert _generate(server.base_url, prompt, temperature=0)["output_ids"] == ref, prompt
+
+
+def test_one_process_per_rank_and_a_dead_rank_takes_the_server_down(tp2_server):
+    children = {p.cmdline()[0]: p for p in psutil.Process(tp2_server.proc.pid).children(recursive=True)
+                if p.cmdline()[0].startswith("tandem::")}
+    assert set(children) == {"tandem::scheduler_TP0", "tandem::scheduler_TP1", "tandem::detokenizer"}
+    [ipc_dir] = tp2_server.ipc_dirs()
+    os.kill(children["tandem::scheduler_TP1"].pid, signal.SIGKILL)
+    try:
+        assert tp2_server.proc.wait(timeout=20) == 1, "the server kept running after a rank died"
+    finally:
+        survivors = tp2_server.stop(check=False)
+    assert survivors == []
+    assert not os.path.exists(ipc_dir)
+    # The main process saw it die, or rank 0 failed in a collective first and reported it.
+    log = tp2_server.log_tail(100)
+    assert "scheduler_TP1 died; shutting the server down" in log or "scheduler_TP1 exited)" in log, log

@@ -1,0 +1,130 @@
+"""A real `Scheduler` on a tiny model, in-process: its I/O is an in-memory object, so
+tests drive the loop step by step and read every output it sent."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from tandem.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from tandem.managers.scheduler import Scheduler
+from tandem.sampling.sampling_params import SamplingParams
+from tandem.server_args import ServerArgs
+
+
+class LocalIO:
+    """In-memory SchedulerIO: `inbox` is what `recv` returns next; sends are recorded."""
+
+    def __init__(self) -> None:
+        self.inbox: list[Any] = []
+        self.outputs: list[BatchTokenIDOutput] = []
+        self.replies: list[Any] = []
+
+    def recv(self) -> list[Any]:
+        msgs, self.inbox = self.inbox, []
+        return msgs
+
+    def wait(self, timeout_ms: int) -> None:
+        pass
+
+    def send_output(self, out: BatchTokenIDOutput) -> None:
+        self.outputs.append(out)
+
+    def send_reply(self, msg: Any) -> None:
+        self.replies.append(msg)
+
+    def close(self) -> None:
+        pass
+
+
+class Collected:
+    """What the client of each internal id would see: its ids, logprobs, finish and counts."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, list[int]] = collections.defaultdict(list)
+        self.logprobs: dict[str, list] = collections.defaultdict(list)
+        self.finishes: dict[str, dict] = {}
+        self.completion_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}
+        self.retractions: dict[str, int] = {}
+
+    def add(self, out: BatchTokenIDOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            assert rid not in self.finishes, f"output for {rid} after its finish"
+            self.ids[rid] += out.new_token_ids[i]
+            if out.output_token_logprobs[i] is not None:
+                self.logprobs[rid].append((out.output_token_logprobs[i], out.output_top_logprobs[i],
+                                           out.output_token_ids_logprobs[i], out.input_token_logprobs[i]))
+            if out.finished_reasons[i] is not None:
+                self.finishes[rid] = out.finished_reasons[i]
+                self.completion_tokens[rid] = out.completion_tokens[i]
+                self.cached_tokens[rid] = out.cached_tokens[i]
+                self.retractions[rid] = out.retractions[i]
+
+
+class SchedulerHarness:
+    """A Scheduler with an in-memory I/O; `released` counts KV releases per request."""
+
+    def __init__(self, model_dir, **server_args):
+        args = {"max_total_tokens": 2048, **server_args}
+        self.io = LocalIO()
+        self.scheduler = Scheduler(ServerArgs(model_path=str(model_dir), **args), self.io)
+        self.collected = Collected()
+        self.released: collections.Counter = collections.Counter()
+        release = self.scheduler.kv.release
+
+        def counting_release(req) -> None:
+            self.released[req.rid] += req.req_pool_idx is not None
+            release(req)
+
+        self.scheduler.kv.release = counting_release
+
+    def submit(self, rid: str, stream: bool = False, input_ids: list[int] | None = None,
+               logprobs: dict | None = None, **params) -> None:
+        sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0)
+        for name, value in params.items():
+            setattr(sp, name, value)  # NOTE: unchecked on purpose, to poison a request
+        self.io.inbox.append(TokenizedGenerateReqInput(
+            rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream, **(logprobs or {})))
+
+    def abort(self, rid: str) -> None:
+        self.io.inbox.append(AbortReq(rid=rid))
+
+    def step(self) -> bool:
+        """One iteration of the scheduler's loop (the one its flags select); False once
+        nothing is running, waiting or in flight."""
+        s = self.scheduler
+        s.process_input_requests(s.recv_requests())
+        busy = s.step()
+        self._collect()
+        return busy or bool(s.waiting_queue)
+
+    def run_until_idle(self, max_steps: int = 10_000) -> dict[str, dict]:
+        """Step until nothing runs; the finish reason of each request that finished meanwhile."""
+        before = set(self.collected.finishes)
+        for _ in range(max_steps):
+            if not self.step() and not self.io.inbox:
+                return {rid: r for rid, r in self.collected.finishes.items() if rid not in before}
+        raise AssertionError("the scheduler did not become idle")
+
+    def _collect(self) -> None:
+        outputs, self.io.outputs = self.io.outputs, []
+        for out in outputs:
+            self.collected.add(out)
+
+    def close(self) -> None:
+        self.scheduler.executor.close()
+
+    def assert_released_once(self, admitted: bool = True) -> None:
+        """Every finished request's KV was released once per admission (each retraction
+        is one); `admitted=False` also allows never (aborted while waiting)."""
+        for rid in self.collected.finishes:
+            extra = self.released[rid] - self.collected.retractions[rid]
+            assert extra == 1 or (not admitted and extra == 0), (rid, self.released[rid])
+
+    def assert_memory_idle(self) -> None:
+        state = self.scheduler.server_state("check")
+        assert state.num_running_reqs == state.num_waiting_reqs == 0
+        assert state.free_kv_slots + state.evictable_cached_slots == state.max_total_num_tokens, state
+        assert state.protected_cached_slots == 0, state
+        assert state.free_req_rows == self.scheduler.max_running_requests, state

@@ -1,0 +1,132 @@
+"""Scheduling (#5), in-process (scheduler_harness): the radix cache, chunked prefill,
+mixed chunks, policies and retraction never change outputs, and memory comes back.
+These ran through real servers (30-170 s each) before the scheduler's I/O could be
+replaced; what they test is the scheduler's logic, so they run it directly, in both
+loops (overlap and normal)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_harness import SchedulerHarness
+
+SYSTEM = ("You are a helpful assistant who answers questions about the weather, the sea, "
+          "and small animals in a friendly and careful way. ")
+PROMPTS = [SYSTEM + q for q in ["What is rain?", "Why is the sea salty?", "Do cats like boats?",
+                                "Tell me about clouds.", "What do rabbits eat?", "Is fog cold?"]]
+PROMPTS += ["A completely different prompt with no shared prefix at all.", SYSTEM]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": False}
+LOOPS = ["overlap", "normal"]
+
+
+def open_harness(model_dir, loop: str, **server_args) -> SchedulerHarness:
+    return SchedulerHarness(model_dir, disable_overlap_schedule=loop == "normal", **server_args)
+
+
+def run(h: SchedulerHarness, prompts: list[list[int]], params: dict, tag: str = "", logprobs=None) -> list[str]:
+    """Submit all at once, run until idle; the rids, in prompt order."""
+    rids = [f"{tag}{len(h.collected.finishes) + i}" for i in range(len(prompts))]
+    for rid, ids in zip(rids, prompts):
+        h.submit(rid, input_ids=ids, logprobs=logprobs, **params)
+    h.run_until_idle()
+    h.assert_memory_idle()
+    h.assert_released_once()
+    return rids
+
+
+@pytest.fixture(scope="module")
+def tokenized(tiny_llama_dir) -> list[list[int]]:
+    h = open_harness(tiny_llama_dir, "normal")
+    try:
+        return [h.scheduler.tokenizer.encode(p) for p in PROMPTS]
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, tokenized) -> list[list[int]]:
+    """Outputs of the default scheduler, one request at a time."""
+    h = open_harness(tiny_llama_dir, "normal")
+    try:
+        return [h.collected.ids[run(h, [ids], GREEDY)[0]] for ids in tokenized]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("server_args", [
+    {},
+    {"disable_radix_cache": True},
+    {"chunked_prefill_size": 16},
+    {"chunked_prefill_size": 7, "schedule_policy": "lpm"},
+    {"chunked_prefill_size": -1, "schedule_policy": "lpm"},
+    {"disable_radix_cache": True, "chunked_prefill_size": 5},
+    {"enable_mixed_chunk": True},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
+], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
+def test_outputs_do_not_change_with_features(tiny_llama_dir, tokenized, reference, loop, server_args):
+    h = open_harness(tiny_llama_dir, loop, **server_args)
+    try:
+        rids = run(h, tokenized, GREEDY)
+        assert [h.collected.ids[r] for r in rids] == reference
+        cached = [h.collected.cached_tokens[r] for r in rids]
+        if server_args.get("disable_radix_cache"):
+            assert all(c == 0 for c in cached)
+        else:
+            assert any(c > 0 for c in cached)  # the shared system prompt is computed once
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_small_kv_pool_retracts_and_completes(tiny_llama_dir, tokenized, reference, loop):
+    params = {**GREEDY, "max_new_tokens": 60, "ignore_eos": True}
+    prompts = [ids + [100 + i] for i, ids in enumerate(tokenized * 2)]
+    big = open_harness(tiny_llama_dir, loop)
+    try:
+        singles = [big.collected.ids[run(big, [p], params)[0]] for p in prompts]
+    finally:
+        big.close()
+    h = open_harness(tiny_llama_dir, loop, max_total_tokens=400, chunked_prefill_size=32)
+    try:
+        rids = run(h, prompts, params)
+        assert [h.collected.ids[r] for r in rids] == singles
+        assert sum(h.collected.retractions.values()) > 0, "the pool was meant to run out"
+        assert h.collected.ids[run(h, [tokenized[0]], GREEDY)[0]] == reference[0]  # still serving
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop):
+    """Prefills (chunked, with prompt logprobs) run while another request decodes, so
+    every prefill forward carries that request's decode step too."""
+    logprobs = {"return_logprob": True, "logprob_start_len": 0}
+    ref = open_harness(tiny_llama_dir, loop)
+    try:
+        want = [run(ref, [ids], GREEDY, logprobs=logprobs)[0] for ids in tokenized[:4]]
+    finally:
+        ref.close()
+    h = open_harness(tiny_llama_dir, loop, enable_mixed_chunk=True, chunked_prefill_size=8)
+    try:
+        h.submit("long", input_ids=tokenized[6], max_new_tokens=400)
+        for _ in range(3):
+            h.step()
+        got = []
+        for i, ids in enumerate(tokenized[:4]):  # one after another, each prefilled beside the long one
+            h.submit(f"p{i}", input_ids=ids, logprobs=logprobs, **GREEDY)
+            while f"p{i}" not in h.collected.finishes:
+                h.step()
+            got.append(f"p{i}")
+        assert "long" not in h.collected.finishes  # it decoded beside every prefill
+        h.run_until_idle()
+        assert len(h.collected.ids["long"]) == 400
+        for g, w in zip(got, want):
+            assert h.collected.ids[g] == ref.collected.ids[w]
+            for mine, theirs in zip(h.collected.logprobs[g], ref.collected.logprobs[w]):
+                for a, b in zip(mine[0] + (mine[3] or []), theirs[0] + (theirs[3] or [])):
+                    assert a[1] == b[1]
+                    assert (a[0] is None and b[0] is None) or abs(a[0] - b[0]) < 1e-4
+        h.assert_memory_idle()
+    finally:
+        h.close()
