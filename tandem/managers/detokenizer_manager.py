@@ -8,6 +8,7 @@ output of a request that ended here) passes through with no text.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import traceback
@@ -55,19 +56,19 @@ class DetokenizerManager:
     def handle_batch_token_id_out(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
         """Text deltas for every request of one scheduler step. A request whose step raises
         ends alone with an error finish (DESIGN.md §9); the others are unaffected."""
-        out = BatchStrOutput(rids=msg.rids, new_token_ids=msg.new_token_ids,
-                             finished_reasons=list(msg.finished_reasons), **msg.meta())
-        for i, rid in enumerate(msg.rids):
-            finished = msg.finished_reasons[i]
+        out = BatchStrOutput()
+        for record in msg.outputs:
+            finished = record.finished_reason
             try:
-                text = self._step(rid, msg.new_token_ids[i], finished, msg.detokenize_params[i])
+                text = self._step(record.rid, record.new_token_ids, finished, record.detokenize_params)
             except Exception as e:  # noqa: BLE001 - the second wall
-                logger.error("request %s failed while detokenizing:\n%s", rid, traceback.format_exc())
-                self.states.pop(rid, None)
+                logger.error("request %s failed while detokenizing:\n%s", record.rid, traceback.format_exc())
+                self.states.pop(record.rid, None)
                 text = ""
                 if finished is None or finished["type"] != "abort":  # an abort already says why
-                    out.finished_reasons[i] = error_finish_reason("detokenizing its output", e)
-            out.text_deltas.append(text)
+                    finished = error_finish_reason("detokenizing its output", e)
+            out.outputs.append(dataclasses.replace(record, text_delta=text, finished_reason=finished,
+                                                   detokenize_params=None))
         return out
 
     def _step(self, rid: str, new_ids: list[int], finished: dict | None, params: DetokenizeParams | None) -> str:

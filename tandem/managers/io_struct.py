@@ -25,6 +25,7 @@ managers/multi_tokenizer.py), and so do control requests' `request_id`s: under
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -150,59 +151,64 @@ class DetokenizeParams:
     prompt_tail: list[int] = field(default_factory=list)
 
 
-@dataclass
-class BatchOutputMeta:
-    """Per-request fields that the scheduler's outputs carry through the detokenizer
-    unchanged. Lists are parallel to `rids` of the subclass, one entry per request.
+@dataclass(slots=True)
+class ReqOutput:
+    """What one request produced in one scheduler step (one record per request, DESIGN.md §3).
 
-    The logprob lists are None for a request that did not ask for logprobs; otherwise
-    they hold (logprob, token_id) pairs of the new output tokens, their top alternatives,
-    and (in the request's first output only) the prompt's logprobs from
-    logprob_start_len on. The token-ids lists hold, per position, the (logprob, token_id)
-    pairs of the request's `token_ids_logprob` (None where it asked for none; an input
-    position with nothing to score, the prompt's first token, is None).
-    """
-
-    prompt_tokens: list[int] = field(default_factory=list)
-    completion_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    retractions: list[int] = field(default_factory=list)
-    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
-    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
-    output_token_ids_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
-    input_token_ids_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(default_factory=list)
-
-
-@dataclass
-class BatchTokenIDOutput(BatchOutputMeta):
-    """New token ids of every request that advanced in one scheduler step.
-
-    `new_token_ids[i]` holds only the ids produced since the previous message for that
-    rid. `finished_reasons[i]` is None while the request runs, else SGLang's dict:
+    `new_token_ids` holds only the ids produced since the previous record for that rid.
+    `finished_reason` is None while the request runs, else SGLang's dict:
     {"type": "stop", "matched": ...}, {"type": "length", "length": N} or
     {"type": "abort", "message": ...} (with "status_code" when the request was refused,
-    or 500 when handling it raised: `error_finish_reason`).
+    or 500 when handling it raised: `error_finish_reason`). `detokenize_params` rides
+    with a request's first record; `text_delta` is filled by the detokenizer.
+
+    The logprob fields are None for a request that did not ask for logprobs; otherwise
+    they hold (logprob, token_id) pairs of the new output tokens, their top alternatives,
+    and (in the request's first record only) the prompt's logprobs from
+    logprob_start_len on. The token-ids fields hold, per position, the (logprob,
+    token_id) pairs of the request's `token_ids_logprob` (None where it asked for none;
+    an input position with nothing to score, the prompt's first token, is None).
     """
 
-    rids: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
-    detokenize_params: list[DetokenizeParams | None] = field(default_factory=list)
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    retractions: int = 0
+    detokenize_params: DetokenizeParams | None = None
+    text_delta: str = ""
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
 
-    def meta(self) -> dict[str, list]:
-        """The BatchOutputMeta fields, to pass on unchanged."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(BatchOutputMeta)}
 
-    def append(self, **record: Any) -> None:
-        """Add one request: a value for every field, so the lists stay parallel."""
-        assert record.keys() == _TOKEN_ID_OUTPUT_FIELDS, sorted(record)
-        for name, value in record.items():
-            getattr(self, name).append(value)
+_REQ_OUTPUT_VALUES = operator.attrgetter(*(f.name for f in dataclasses.fields(ReqOutput)))
 
 
-_TOKEN_ID_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchTokenIDOutput))
+def _batch_from_rows(cls: type, rows: list[tuple]) -> Any:
+    return cls([ReqOutput(*row) for row in rows])
+
+
+class _ReqOutputBatch:
+    """Pickled as one tuple per record (C-level attribute reads): 3x faster to encode
+    and half the bytes of pickling each record as an object (64 records: ~35 + 30 us)."""
+
+    outputs: list[ReqOutput]
+
+    def __reduce__(self):
+        return _batch_from_rows, (type(self), [_REQ_OUTPUT_VALUES(r) for r in self.outputs])
+
+
+@dataclass
+class BatchTokenIDOutput(_ReqOutputBatch):
+    """Every request that advanced or finished in one scheduler step, one record each."""
+
+    outputs: list[ReqOutput] = field(default_factory=list)
 
 
 def error_finish_reason(where: str, exc: BaseException) -> dict[str, Any]:
@@ -217,18 +223,13 @@ INTERNAL_ERROR_STATUS = 500
 
 
 @dataclass
-class BatchStrOutput(BatchOutputMeta):
-    """Text deltas for the tokenizer manager; parallel lists as in BatchTokenIDOutput.
+class BatchStrOutput(_ReqOutputBatch):
+    """The detokenizer's answer to one BatchTokenIDOutput: the same records, in the same
+    order, with `text_delta` set: the text that became final since the previous record
+    for that rid (never a broken UTF-8 character; a possible stop-string prefix is held
+    back while the request runs)."""
 
-    `text_deltas[i]` is the text that became final since the previous message for that
-    rid (never a broken UTF-8 character; a possible stop-string prefix is held back while
-    the request runs). `new_token_ids[i]` are the ids of this step.
-    """
-
-    rids: list[str] = field(default_factory=list)
-    text_deltas: list[str] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    finished_reasons: list[dict[str, Any] | None] = field(default_factory=list)
+    outputs: list[ReqOutput] = field(default_factory=list)
 
 
 @dataclass

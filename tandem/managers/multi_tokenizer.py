@@ -11,7 +11,6 @@ to the tokenizer side (control replies; outputs under --skip-tokenizer-init).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import uuid
@@ -39,16 +38,13 @@ def owner_of(rid: str) -> int:
 
 
 def split_by_owner(msg: BatchOutput) -> dict[int, BatchOutput]:
-    """One message per owning worker with only its requests, in their order. Every field
-    of a batch output is a list parallel to `rids` (io_struct.py)."""
-    rows: dict[int, list[int]] = {}
-    for i, rid in enumerate(msg.rids):
-        rows.setdefault(owner_of(rid), []).append(i)
-    if len(rows) == 1:
-        return {owner: msg for owner in rows}
-    fields = [f.name for f in dataclasses.fields(msg)]
-    return {owner: dataclasses.replace(msg, **{name: [getattr(msg, name)[i] for i in idx] for name in fields})
-            for owner, idx in rows.items()}
+    """One message per owning worker with only its requests' records, in their order."""
+    parts: dict[int, list] = {}
+    for out in msg.outputs:
+        parts.setdefault(owner_of(out.rid), []).append(out)
+    if len(parts) == 1:
+        return {owner: msg for owner in parts}
+    return {owner: type(msg)(outputs=outputs) for owner, outputs in parts.items()}
 
 
 class OutputSender:

@@ -131,10 +131,9 @@ class Scheduler:
     # ---- the loops -----------------------------------------------------------------
     def event_loop(self) -> None:
         """The overlap loop, or the normal one under --disable-overlap-schedule."""
-        step = self.step_overlap if self.enable_overlap else self.step_normal
         while True:
             self.process_input_requests(self.recv_requests())
-            if not step():
+            if not self.step():
                 self.executor.stats.mark_idle()
                 self.io.wait(IDLE_POLL_MS)
 

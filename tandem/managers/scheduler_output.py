@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tandem.managers.io_struct import BatchTokenIDOutput
+from tandem.managers.io_struct import BatchTokenIDOutput, ReqOutput
 from tandem.managers.schedule_batch import Req
 
 
@@ -25,41 +25,33 @@ def build_batch_output(reqs: list[Req], stream_interval: int,
         except Exception as e:  # noqa: BLE001 - the second wall
             on_error(req, e)
             record = error_record(req)
-        out.append(**record)
+        out.outputs.append(record)
         req.sent_len = len(req.output_ids)
         req.sent_detokenize_params = True
-    return out if out.rids else None
+    return out if out.outputs else None
 
 
-def output_record(req: Req) -> dict:
-    """`req`'s entries of a BatchTokenIDOutput: what is new since its last output."""
+def output_record(req: Req) -> ReqOutput:
+    """What is new for `req` since its last record."""
     first = not req.sent_detokenize_params
-    logprobs = req.return_logprob
-    return {
-        "rids": req.rid,
-        "new_token_ids": req.output_ids[req.sent_len :],
-        "finished_reasons": req.finished_reason,
-        "detokenize_params": req.detokenize_params() if first else None,
-        "prompt_tokens": req.prompt_len,
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens,
-        "retractions": req.retractions,
-        "output_token_logprobs": req.output_token_logprobs[req.sent_len :] if logprobs else None,
-        "output_top_logprobs": req.output_top_logprobs[req.sent_len :] if logprobs else None,
-        "input_token_logprobs": req.input_token_logprobs if logprobs and first else None,
-        "input_top_logprobs": req.input_top_logprobs if logprobs and first else None,
-        "output_token_ids_logprobs": req.output_token_ids_logprobs[req.sent_len :] if logprobs else None,
-        "input_token_ids_logprobs": req.input_token_ids_logprobs if logprobs and first else None,
-    }
+    record = ReqOutput(
+        rid=req.rid, new_token_ids=req.output_ids[req.sent_len :], finished_reason=req.finished_reason,
+        prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+        retractions=req.retractions, detokenize_params=req.detokenize_params() if first else None)
+    if req.return_logprob:
+        record.output_token_logprobs = req.output_token_logprobs[req.sent_len :]
+        record.output_top_logprobs = req.output_top_logprobs[req.sent_len :]
+        record.output_token_ids_logprobs = req.output_token_ids_logprobs[req.sent_len :]
+        if first:
+            record.input_token_logprobs = req.input_token_logprobs
+            record.input_top_logprobs = req.input_top_logprobs
+            record.input_token_ids_logprobs = req.input_token_ids_logprobs
+    return record
 
 
-def error_record(req: Req) -> dict:
+def error_record(req: Req) -> ReqOutput:
     """The last record of a request ended by an error: its finish, no new ids (the
     detokenizer passes an unknown id without DetokenizeParams through as "")."""
-    return {
-        "rids": req.rid, "new_token_ids": [], "finished_reasons": req.finished_reason,
-        "detokenize_params": None, "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens, "retractions": req.retractions, "output_token_logprobs": None,
-        "output_top_logprobs": None, "input_token_logprobs": None, "input_top_logprobs": None,
-        "output_token_ids_logprobs": None, "input_token_ids_logprobs": None,
-    }
+    return ReqOutput(rid=req.rid, new_token_ids=[], finished_reason=req.finished_reason,
+                     prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+                     cached_tokens=req.cached_tokens, retractions=req.retractions)

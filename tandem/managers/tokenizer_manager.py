@@ -42,6 +42,7 @@ from tandem.managers.io_struct import (
     INTERNAL_ERROR_STATUS,
     ProfileReq,
     ProfileReqOutput,
+    ReqOutput,
     ServerStateOutput,
     TokenizedGenerateReqInput,
     error_finish_reason,
@@ -375,40 +376,40 @@ class TokenizerManager:
 
     def _handle_batch_output(self, msg: BatchStrOutput | BatchTokenIDOutput) -> None:
         now = time.time()
-        for i, rid in enumerate(msg.rids):
-            state = self.rid_to_state.get(rid)
+        for out in msg.outputs:
+            state = self.rid_to_state.get(out.rid)
             if state is None or state.finished:  # a late output of a request that has ended
                 continue
             try:
-                self._apply_output(state, msg, i, now)
+                self._apply_output(state, out, now)
             except Exception as e:  # noqa: BLE001 - the second wall
                 reason = self._fail(state, "handling its output", e)
                 state.pending.append(("", [], {k: [] for k in LOGPROB_KEYS}, self._error_meta(state, reason)))
             state.event.set()
 
-    def _apply_output(self, state: ReqState, msg: BatchStrOutput | BatchTokenIDOutput, i: int, now: float) -> None:
-        finished = msg.finished_reasons[i]
-        text = msg.text_deltas[i] if isinstance(msg, BatchStrOutput) else ""
-        state.text += text
-        state.output_ids.extend(msg.new_token_ids[i])
+    def _apply_output(self, state: ReqState, out: ReqOutput, now: float) -> None:
+        """One request's record (its text_delta is "" when no detokenizer runs)."""
+        finished = out.finished_reason
+        state.text += out.text_delta
+        state.output_ids.extend(out.new_token_ids)
         deltas = {k: [] for k in LOGPROB_KEYS}
-        if state.return_logprob and msg.output_token_logprobs[i] is not None:
-            deltas["output_token_logprobs"] = self._with_text(msg.output_token_logprobs[i], state)
-            deltas["output_top_logprobs"] = [self._with_text(top, state) for top in msg.output_top_logprobs[i]]
+        if state.return_logprob and out.output_token_logprobs is not None:
+            deltas["output_token_logprobs"] = self._with_text(out.output_token_logprobs, state)
+            deltas["output_top_logprobs"] = [self._with_text(top, state) for top in out.output_top_logprobs]
             deltas["output_token_ids_logprobs"] = [
-                self._with_text(pairs, state) for pairs in msg.output_token_ids_logprobs[i] or []]
+                self._with_text(pairs, state) for pairs in out.output_token_ids_logprobs or []]
             for key in LOGPROB_KEYS:
                 state.logprobs[key].extend(deltas[key])
-            if msg.input_token_logprobs[i] is not None:
+            if out.input_token_logprobs is not None:
                 state.input_logprobs = {
-                    "input_token_logprobs": self._with_text(msg.input_token_logprobs[i], state),
-                    "input_top_logprobs": [self._with_text(top, state) for top in msg.input_top_logprobs[i]],
+                    "input_token_logprobs": self._with_text(out.input_token_logprobs, state),
+                    "input_top_logprobs": [self._with_text(top, state) for top in out.input_top_logprobs],
                     "input_token_ids_logprobs": [None if pairs is None else self._with_text(pairs, state)
-                                                 for pairs in msg.input_token_ids_logprobs[i] or []],
+                                                 for pairs in out.input_token_ids_logprobs or []],
                 }
-        meta = self._meta(state, finished, msg.prompt_tokens[i], msg.completion_tokens[i], msg.cached_tokens[i],
-                          msg.retractions[i], now)
-        state.pending.append((text, msg.new_token_ids[i], deltas, meta))
+        meta = self._meta(state, finished, out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+                          out.retractions, now)
+        state.pending.append((out.text_delta, out.new_token_ids, deltas, meta))
         state.finished = finished is not None
         if finished is not None and finished.get("status_code") == INTERNAL_ERROR_STATUS:
             self._send_abort(state.rid)  # failed in the detokenizer: the scheduler may still run it

@@ -1,6 +1,6 @@
-"""Radix prefix cache, chunked prefill, scheduling policies and memory pressure (#5):
-outputs never change when these are toggled, cached_tokens is what a user expects, and
-the server survives running out of KV memory."""
+"""Radix prefix cache and memory limits through a real server (#5): cached_tokens is
+what a user expects, flushing, concurrency, and refusals. Outputs under every scheduling
+flag and retraction under a small pool are tested in-process (tests/unit/test_scheduling.py)."""
 
 from __future__ import annotations
 
@@ -90,41 +90,14 @@ def test_concurrent_shared_prefixes_match_sequential(reference):
     assert_idle_invariant(server.base_url)
 
 
-@pytest.mark.parametrize("flags", [
-    ["--disable-radix-cache"],
-    ["--chunked-prefill-size", "16"],
-    ["--chunked-prefill-size", "7", "--schedule-policy", "lpm"],
-    ["--chunked-prefill-size", "-1", "--schedule-policy", "lpm"],
-    ["--disable-radix-cache", "--chunked-prefill-size", "5"],
-    ["--enable-mixed-chunk"],
-    ["--enable-mixed-chunk", "--chunked-prefill-size", "8"],
-])
-def test_outputs_do_not_change_with_features(reference, tiny_llama_dir, flags):
-    _, expected = reference
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", *flags]) as server:
-        outs = run_all(server.base_url, PROMPTS, GREEDY)
-        assert [o["output_ids"] for o in outs] == expected
-        if "--disable-radix-cache" in flags:
-            assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
-        assert_idle_invariant(server.base_url)
-
-
-def test_small_kv_pool_retracts_and_completes(reference, tiny_llama_dir):
-    _, expected = reference
-    params = {**GREEDY, "max_new_tokens": 60, "ignore_eos": True}
-    prompts = [f"{p} Request {i}." for i, p in enumerate(PROMPTS * 2)]
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"]) as big:
-        singles = [run_all(big.base_url, [p], params)[0]["output_ids"] for p in prompts]
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-total-tokens", "400",
-                                                  "--chunked-prefill-size", "32"]) as server:
-        outs = run_all(server.base_url, prompts, params)
-        assert [o["output_ids"] for o in outs] == singles
-        assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "the pool was meant to run out"
-        assert_idle_invariant(server.base_url)
-        # A prompt longer than the whole pool is refused at once, and the server goes on.
+def test_prompt_longer_than_the_pool_is_refused(tiny_llama_dir):
+    """Refused at once with 400, and the server goes on. (Retraction under a small pool,
+    and outputs under every scheduling flag, are tested in-process: tests/unit/test_scheduling.py.)"""
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-total-tokens", "400"]) as server:
         r = httpx.post(server.base_url + "/generate", json={"text": "word " * 500}, timeout=30)
         assert r.status_code == 400 and "KV" in r.json()["error"]["message"]
-        assert run_all(server.base_url, [PROMPTS[0]], GREEDY)[0]["output_ids"] == expected[0]
+        assert run_all(server.base_url, [PROMPTS[0]], GREEDY)[0]["meta_info"]["completion_tokens"] > 0
+        assert_idle_invariant(server.base_url)
 
 
 def test_max_queued_requests_gives_503(tiny_llama_dir):
@@ -178,38 +151,3 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
                 else:
                     assert r.json()["usage"]["completion_tokens"] == 200
             assert_idle_invariant(server.base_url)
-
-
-def test_mixed_chunk_keeps_outputs_and_logprobs(reference, tiny_llama_dir):
-    """Prefills (chunked, with prompt logprobs) run while another request decodes, so
-    every prefill forward carries that request's decode step too."""
-    ref_server, expected = reference
-    body = {"return_logprob": True, "logprob_start_len": 0, "sampling_params": GREEDY}
-    with httpx.Client(base_url=ref_server.base_url, timeout=120) as client:
-        ref = [client.post("/generate", json={**body, "text": p}).json() for p in PROMPTS[:4]]
-    long_body = {"text": "keep decoding", "sampling_params": {**GREEDY, "max_new_tokens": 400, "ignore_eos": True}}
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--enable-mixed-chunk",
-                                                  "--chunked-prefill-size", "8"]) as server:
-        async def run() -> tuple[httpx.Response, list[httpx.Response]]:
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
-                long = asyncio.create_task(client.post("/generate", json=long_body))
-                while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
-                    await asyncio.sleep(0.02)
-                outs = []
-                for p in PROMPTS[:4]:  # one after another, each prefilled beside the long one
-                    outs.append(await client.post("/generate", json={**body, "text": p}))
-                return await long, outs
-
-        long, outs = asyncio.run(run())
-        assert long.status_code == 200 and len(long.json()["output_ids"]) == 400
-        for r, want, ids in zip(outs, ref, expected):
-            got = r.json()
-            assert got["output_ids"] == ids
-            for key in ("input_token_logprobs", "output_token_logprobs"):
-                pairs = list(zip(got["meta_info"][key], want["meta_info"][key]))
-                assert len(pairs) == len(want["meta_info"][key])
-                for (lp, tid, _), (ref_lp, ref_tid, _) in pairs:
-                    assert tid == ref_tid
-                    assert (lp is None and ref_lp is None) or abs(lp - ref_lp) < 1e-4
-        assert_idle_invariant(server.base_url)
-

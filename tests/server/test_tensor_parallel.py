@@ -3,8 +3,9 @@
 Greedy tokens and logprobs equal --tp-size 1's (the session server) on the tiny llama
 (heads, KV heads, vocabulary and intermediate size divide by 2); the one-KV-head model,
 whose KV head both ranks hold, equals transformers; seeded sampling equals --tp-size 1's
-with the same seeds; each rank is its own named process, and killing one takes the
-whole server down at once, leaving nothing behind."""
+with the same seeds, through chunked prefill (8-token chunks) and radix-cache hits; each
+rank is its own named process, and killing one takes the whole server down at once,
+leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tp2_server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--tp-size", "2"]) as handle:
+    with ServerHandle(tiny_llama_dir, extra_args=["--tp-size", "2", "--chunked-prefill-size", "8"]) as handle:
         yield handle
 
 
-def _generate(base_url: str, prompt: str, **sampling) -> dict:
+def _generate(base_url: str, prompt: str, logprobs: bool = True, **sampling) -> dict:
+    """Prompt logprobs keep a request from being chunked: ask for them only with `logprobs`."""
+    extra = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3} if logprobs else {}
     r = httpx.post(base_url + "/generate", timeout=120, json={
-        "text": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
-        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, **sampling}})
+        "text": prompt, **extra, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, **sampling}})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -71,10 +73,12 @@ def test_seeded_sampling_equals_tp1(server, tp2_server):
     tokens are those of one process given the same seeds."""
     for seed, prompt in enumerate(PROMPTS):
         params = {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 100 + seed}
-        one = _generate(server.base_url, prompt, **params)
-        two = _generate(tp2_server.base_url, prompt, **params)
-        assert two["output_ids"] == one["output_ids"], prompt
-    unseeded = {tuple(_generate(tp2_server.base_url, "Hello", temperature=1.0)["output_ids"]) for _ in range(3)}
+        one = _generate(server.base_url, prompt, logprobs=False, **params)
+        two = [_generate(tp2_server.base_url, prompt, logprobs=False, **params) for _ in range(2)]
+        assert two[0]["output_ids"] == two[1]["output_ids"] == one["output_ids"], prompt
+        assert two[1]["meta_info"]["cached_tokens"] > 0  # the second one reused the first's prefix
+    unseeded = {tuple(_generate(tp2_server.base_url, "Hello", logprobs=False, temperature=1.0)["output_ids"])
+                for _ in range(3)}
     assert len(unseeded) > 1  # unseeded requests still draw fresh noise
 
 

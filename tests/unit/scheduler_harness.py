@@ -49,17 +49,18 @@ class Collected:
         self.retractions: dict[str, int] = {}
 
     def add(self, out: BatchTokenIDOutput) -> None:
-        for i, rid in enumerate(out.rids):
+        for rec in out.outputs:
+            rid = rec.rid
             assert rid not in self.finishes, f"output for {rid} after its finish"
-            self.ids[rid] += out.new_token_ids[i]
-            if out.output_token_logprobs[i] is not None:
-                self.logprobs[rid].append((out.output_token_logprobs[i], out.output_top_logprobs[i],
-                                           out.output_token_ids_logprobs[i], out.input_token_logprobs[i]))
-            if out.finished_reasons[i] is not None:
-                self.finishes[rid] = out.finished_reasons[i]
-                self.completion_tokens[rid] = out.completion_tokens[i]
-                self.cached_tokens[rid] = out.cached_tokens[i]
-                self.retractions[rid] = out.retractions[i]
+            self.ids[rid] += rec.new_token_ids
+            if rec.output_token_logprobs is not None:
+                self.logprobs[rid].append((rec.output_token_logprobs, rec.output_top_logprobs,
+                                           rec.output_token_ids_logprobs, rec.input_token_logprobs))
+            if rec.finished_reason is not None:
+                self.finishes[rid] = rec.finished_reason
+                self.completion_tokens[rid] = rec.completion_tokens
+                self.cached_tokens[rid] = rec.cached_tokens
+                self.retractions[rid] = rec.retractions
 
 
 class SchedulerHarness:

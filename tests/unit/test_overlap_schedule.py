@@ -8,8 +8,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from scheduler_harness import SchedulerHarness
+from tandem.managers.forward_executor import ForwardStats
+from tandem.managers.future_map import FutureMap
 
 PROMPT_LENS = [3, 9, 17, 30, 5, 44, 12, 7]
 
@@ -164,3 +167,21 @@ def test_stress_short_requests_arriving_while_others_finish(tiny_llama_dir):
         h.assert_memory_idle()
     finally:
         h.close()
+
+
+def test_future_map_resolves_placeholders_only():
+    fm = FutureMap(4, "cpu")
+    fm.store(torch.tensor([2, 0]), torch.tensor([70, 50]))
+    ids = torch.tensor([5, FutureMap.placeholder(2), 0, FutureMap.placeholder(0)])
+    assert fm.resolve(ids).tolist() == [5, 70, 0, 50]
+    assert fm.resolve(torch.tensor([], dtype=torch.int64)).numel() == 0
+
+
+def test_forward_stats_count_only_gaps_while_busy():
+    stats = ForwardStats(window=10)
+    stats.record(0.0, 1.0)
+    stats.record(1.5, 2.5)  # 0.5 s idle before it
+    assert stats.idle_fraction() == pytest.approx(0.5 / 2.5)
+    stats.mark_idle()  # nothing to run: the next gap is not counted
+    stats.record(100.0, 101.0)
+    assert stats.idle_fraction() == pytest.approx(0.5 / 3.5)

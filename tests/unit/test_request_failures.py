@@ -6,7 +6,6 @@ on real sockets; a request is poisoned with a value the HTTP boundary would refu
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import shutil
 
 import pytest
@@ -15,11 +14,11 @@ import zmq
 from tandem.managers.detokenizer_manager import DetokenizerManager
 from tandem.managers.io_struct import (
     AbortReq,
-    BatchOutputMeta,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizeParams,
     GenerateReqInput,
+    ReqOutput,
     TokenizedGenerateReqInput,
 )
 from tandem.managers.tokenizer_manager import TokenizerManager
@@ -109,22 +108,15 @@ def test_scheduler_failing_forward_is_fatal(harness):
 
 
 # ---- detokenizer ----------------------------------------------------------------------
-# Every per-request field of an output that is None for a request without logprobs.
-NO_LOGPROBS = {f.name: None for f in dataclasses.fields(BatchOutputMeta) if "logprobs" in f.name}
-
-
 def detok_params() -> DetokenizeParams:
     return DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True, stop=[], no_stop_trim=False,
                             stream=True)
 
 
 def token_output(rows: list[tuple[str, list[int], dict | None, DetokenizeParams | None]]) -> BatchTokenIDOutput:
-    out = BatchTokenIDOutput()
-    for rid, ids, finished, params in rows:
-        out.append(**{**NO_LOGPROBS, "rids": rid, "new_token_ids": ids, "finished_reasons": finished,
-                      "detokenize_params": params, "prompt_tokens": 2, "completion_tokens": len(ids),
-                      "cached_tokens": 0, "retractions": 0})
-    return out
+    return BatchTokenIDOutput([ReqOutput(rid=rid, new_token_ids=ids, finished_reason=finished, prompt_tokens=2,
+                                         completion_tokens=len(ids), detokenize_params=params)
+                               for rid, ids, finished, params in rows])
 
 
 def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_args):
@@ -139,25 +131,23 @@ def _check_detokenizer_wall(manager: DetokenizerManager) -> None:
     huge = 2**40  # decode() raises OverflowError
     out = manager.handle_batch_token_id_out(token_output([
         ("good", [5, 6], None, detok_params()), ("bad", [5, huge], None, detok_params())]))
-    assert out.rids == ["good", "bad"] and out.text_deltas[1] == ""
-    assert out.finished_reasons[0] is None
-    assert_error_finish(out.finished_reasons[1], "detokenizing its output", "OverflowError")
+    assert [o.rid for o in out.outputs] == ["good", "bad"] and out.outputs[1].text_delta == ""
+    assert out.outputs[0].finished_reason is None
+    assert_error_finish(out.outputs[1].finished_reason, "detokenizing its output", "OverflowError")
     assert set(manager.states) == {"good"}
     # The scheduler's later outputs of "bad" (until its abort arrives) pass with no text;
     # an abort keeps its own reason.
     late = manager.handle_batch_token_id_out(token_output([
         ("bad", [7], None, None), ("good", [huge], {"type": "abort", "message": "aborted"}, None)]))
-    assert late.text_deltas == ["", ""]
-    assert late.finished_reasons == [None, {"type": "abort", "message": "aborted"}]
+    assert [o.text_delta for o in late.outputs] == ["", ""]
+    assert [o.finished_reason for o in late.outputs] == [None, {"type": "abort", "message": "aborted"}]
     assert manager.states == {}
 
 
 # ---- tokenizer manager ------------------------------------------------------------------
 def str_output(rid: str, text: str, ids: list[int], finished: dict | None, logprobs=None) -> BatchStrOutput:
-    lists = {name: [value] for name, value in NO_LOGPROBS.items()}
-    return BatchStrOutput(**{**lists, "output_token_logprobs": [logprobs]}, rids=[rid], text_deltas=[text],
-                          new_token_ids=[ids], finished_reasons=[finished], prompt_tokens=[3],
-                          completion_tokens=[len(ids)], cached_tokens=[0], retractions=[0])
+    return BatchStrOutput([ReqOutput(rid=rid, new_token_ids=ids, finished_reason=finished, prompt_tokens=3,
+                                     completion_tokens=len(ids), text_delta=text, output_token_logprobs=logprobs)])
 
 
 async def _generate(tm: TokenizerManager, **kwargs):
