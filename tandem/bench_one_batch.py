@@ -133,6 +133,8 @@ def resolve_server_args(args: argparse.Namespace) -> ServerArgs:
     if server_args.max_total_tokens is None:
         server_args.max_total_tokens = max(args.batch_size) * longest
     server_args.validate()
+    if server_args.tp_size != 1:
+        raise ValueError("--tp-size: bench_one_batch runs one rank (benchmarks/tp_decode.py measures TP)")
     return server_args
 
 

@@ -96,6 +96,10 @@ class ForwardThread(ForwardExecutor):
 
     def __init__(self, worker: TpModelWorker, ranks: int = 1):
         super().__init__(worker, ranks)
+        if self.compute_threads is not None:
+            # NOTE: the scheduler thread's own tensor ops are tiny; with several threads its
+            # idle OpenMP workers would spin on the cores the forward's threads compute on.
+            torch.set_num_threads(1)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = torch.cuda.Stream() if str(worker.device).startswith("cuda") else None
         self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)

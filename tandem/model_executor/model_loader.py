@@ -26,7 +26,8 @@ def load_config(model_path: str):
     return AutoConfig.from_pretrained(model_path)
 
 
-def iterate_weights(model_path: str, show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+def iterate_weights(model_path: str,
+                    show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield (name, lazy slice) from every *.safetensors file, with a progress bar over files."""
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
@@ -48,7 +49,8 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     parameters that tensor parallelism replicates are equal on every rank."""
     for name, tensor in model.named_parameters():  # not the buffers: RoPE tables stay computed
         if tensor.is_floating_point():
-            generator = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            name_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+            generator = torch.Generator(device="cpu").manual_seed(name_seed)
             values = torch.empty(tensor.shape, dtype=torch.float32).uniform_(
                 -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
             tensor.copy_(values)

@@ -167,18 +167,6 @@ PROMPTS = [[1, 20, 300, 40, 500, 60, 700], [1, 900, 33, 1200]]
 DECODE_STEPS = 3
 
 
-def _forward_batch(mode: ForwardMode, input_ids: list[int], prefix_lens: list[int], extend_lens: list[int],
-                   slots: list[list[int]]) -> ForwardBatch:
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    return ForwardBatch(
-        forward_mode=mode, batch_size=len(seq_lens), input_ids=torch.tensor(input_ids),
-        positions=torch.tensor([p for pre, e in zip(prefix_lens, extend_lens) for p in range(pre, pre + e)]),
-        out_cache_loc=torch.tensor([s for pre, e, row in zip(prefix_lens, extend_lens, slots)
-                                    for s in row[pre:pre + e]]),
-        req_pool_indices=torch.arange(len(seq_lens)), seq_lens=torch.tensor(seq_lens), seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens)
-
-
 def _generate_on_rank(tp: TpGroup, model_dirs: list[str]) -> dict:
     """Per model: logits of a prefill of PROMPTS and of greedy decode steps, and tokens
     sampled at temperature 1 (two requests seeded, one not)."""
@@ -194,13 +182,13 @@ def _generate_on_rank(tp: TpGroup, model_dirs: list[str]) -> dict:
         slots = [list(range(1 + 20 * i, 1 + 20 * i + 20)) for i in range(len(seqs))]
         for i, row in enumerate(slots):
             runner.req_to_token_pool.write(i, 0, torch.tensor(row))
-        fb = _forward_batch(ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * len(seqs),
+        fb = ForwardBatch.for_rows(ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * len(seqs),
                             [len(s) for s in seqs], slots)
         logits = [runner.forward(fb).next_token_logits]
         for _ in range(DECODE_STEPS):
             for s, nxt in zip(seqs, logits[-1].argmax(-1).tolist()):
                 s.append(nxt)
-            fb = _forward_batch(ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs],
+            fb = ForwardBatch.for_rows(ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs],
                                 [1] * len(seqs), slots)
             logits.append(runner.forward(fb).next_token_logits)
         params = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (5, None, 9)]
