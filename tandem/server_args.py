@@ -57,6 +57,9 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     graceful_shutdown_timeout: float = 30.0
     log_level_http: str | None = None
+    enable_metrics: bool = False
+    log_requests: bool = False
+    log_requests_level: int = 2
     # SGLang's flags kept for compatibility (tandem/sglang_flags.py says what each does).
     tp_size: int = 1
     dp_size: int = 1
@@ -90,8 +93,6 @@ class ServerArgs:
     base_gpu_id: int = 0
     grammar_backend: str | None = None
     sampling_backend: str | None = None
-    log_requests: bool = False
-    enable_metrics: bool = False
     show_time_cost: bool = False
     decode_log_interval: int = 40
     enable_cache_report: bool = False
@@ -138,6 +139,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout: must be positive")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError("--log-requests-level: must be 0, 1, 2 or 3")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout: must be >= 0")
         if not 0 < self.port < 65536:
@@ -205,6 +208,13 @@ class ServerArgs:
         add("--linear-backend", default="auto", choices=["auto", "torch"],
             help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
                  "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")
+        add("--enable-metrics", action="store_true",
+            help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).")
+        add("--log-requests", action="store_true",
+            help="Log every request and its outcome; the verbosity is set by --log-requests-level.")
+        add("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
+            help="0: metadata only; 1: and sampling parameters; 2: and inputs/outputs cut to 2048 "
+                 "characters or tokens; 3: everything, uncut.")
         add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod

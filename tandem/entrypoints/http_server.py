@@ -2,13 +2,15 @@
 
 Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
 POST /abort_request, SGLang's information and control routes (entrypoints/sglang_routes:
-/model_info, /server_info, /flush_cache, /ping, /v1/loads, /start_profile, /stop_profile)
+/model_info, /server_info, /flush_cache, /ping, /v1/loads, /start_profile, /stop_profile),
+GET /metrics (with --enable-metrics)
 and the OpenAI-compatible routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
 {"error": {"message": ...}} naming the field; the server keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -34,6 +36,7 @@ from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.entrypoints.tokenizer_workers import serve_with_workers
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.metrics.collector import CONTENT_TYPE as METRICS_CONTENT_TYPE, enable_multiprocess_metrics
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils.process import (
     configure_logging, exit_now, ignore_stop_signals, kill_process_tree, notify_parent_of_failure,
@@ -41,6 +44,9 @@ from tandem.utils.process import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How long GET /metrics waits for the scheduler's live counts.
+_METRICS_STATE_TIMEOUT_S = 5.0
 
 
 
@@ -160,6 +166,17 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
             return error_response(*rejected)
         return json_response(results if multi else results[0])
 
+    if tm.metrics is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """Prometheus metrics (--enable-metrics); the scheduler's gauges as of now, or as
+            of the last scrape if the scheduler does not answer in time."""
+            try:
+                tm.metrics.set_server_state(await tm.get_server_state(timeout=_METRICS_STATE_TIMEOUT_S))
+            except asyncio.TimeoutError:
+                logger.warning("/metrics: the scheduler did not report its state in time")
+            return Response(tm.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     add_sglang_routes(app, tm, server_args)
     add_openai_routes(app, tm, server_args)
     app.add_middleware(BodySizeLimit, max_bytes=server_args.max_request_body_bytes, error=error_for_path)
@@ -185,6 +202,8 @@ def launch_server(server_args: ServerArgs) -> None:
     server_args.validate()
     set_process_name("tandem::server")  # the command line stays as it was, for scripts
     procs: ServerProcesses = launch_subprocesses(server_args)
+    if server_args.enable_metrics:  # before any TokenizerManager, in this process or a worker
+        enable_multiprocess_metrics(procs.port_args.ipc_dir)
 
     def on_child_death(name: str) -> None:
         logger.error("%s died; shutting the server down", name)

@@ -48,6 +48,8 @@ from tandem.managers.io_struct import (
     error_finish_reason,
 )
 from tandem.managers.multi_tokenizer import rid_prefix
+from tandem.metrics.collector import TokenizerMetricsCollector
+from tandem.metrics.request_logger import RequestLogger
 from tandem.managers.text_encoder import TextEncoder
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
@@ -82,6 +84,11 @@ class ReqState:
     # Deltas received since the consumer last looked: (text, ids, logprob deltas, meta).
     pending: list[tuple[str, list[int], dict[str, list], dict[str, Any]]] = field(default_factory=list)
     finished: bool = False
+    stream: bool = False
+    # The request as received, kept for --log-requests' "Finish" line (else None).
+    obj: GenerateReqInput | None = None
+    # When its last tokens arrived (time.time()), for the latency metrics; None: none yet.
+    last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -125,6 +132,8 @@ class TokenizerManager:
             self._peers = [zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_worker(k), bind=False)
                            for k in range(server_args.tokenizer_worker_num) if k != worker_id]
         self._loop_tasks: list[asyncio.Task] = []
+        self.metrics = TokenizerMetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
+        self.request_logger = RequestLogger(server_args.log_requests_level) if server_args.log_requests else None
 
     # ---- requests ------------------------------------------------------------------
     async def generate_request(self, obj: GenerateReqInput, incremental: bool | None = None
@@ -143,6 +152,8 @@ class TokenizerManager:
         items = [obj.item(i) for i in range(obj.batch_size)] if obj.is_batch else [obj]
         reqs: list[tuple[GenerateReqInput, TokenizedGenerateReqInput, str, str | None]] = []
         for item in items:
+            if self.request_logger is not None:
+                self.request_logger.log_received(item)
             first = await self._tokenize(item)
             n = first.sampling_params.n
             first.sampling_params.n = 1
@@ -159,7 +170,8 @@ class TokenizerManager:
                              created=time.time(), return_logprob=item.return_logprob,
                              return_text_in_logprobs=item.return_text_in_logprobs,
                              top_logprobs_num=req.top_logprobs_num,
-                             token_ids_logprob=req.token_ids_logprob is not None)
+                             token_ids_logprob=req.token_ids_logprob is not None, stream=item.stream,
+                             obj=item if self.request_logger is not None else None)
             self.rid_to_state[req.rid] = state
             self.num_requests += 1
             for name in filter(None, (label, group)):
@@ -382,6 +394,7 @@ class TokenizerManager:
                 continue
             try:
                 self._apply_output(state, out, now)
+                self._observe(state, out, now)
             except Exception as e:  # noqa: BLE001 - the second wall
                 reason = self._fail(state, "handling its output", e)
                 state.pending.append(("", [], {k: [] for k in LOGPROB_KEYS}, self._error_meta(state, reason)))
@@ -413,6 +426,22 @@ class TokenizerManager:
         state.finished = finished is not None
         if finished is not None and finished.get("status_code") == INTERNAL_ERROR_STATUS:
             self._send_abort(state.rid)  # failed in the detokenizer: the scheduler may still run it
+
+    def _observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
+        """The request-level metrics and the --log-requests "Finish" line of one output."""
+        if self.metrics is not None:
+            if out.new_token_ids:
+                if state.last_token_time is None:
+                    self.metrics.observe_time_to_first_token(now - state.created, state.stream)
+                else:
+                    self.metrics.observe_inter_token_latency(now - state.last_token_time, len(out.new_token_ids))
+                state.last_token_time = now
+            if out.finished_reason is not None:
+                self.metrics.observe_finished_request(
+                    out.prompt_tokens, out.completion_tokens, out.cached_tokens, now - state.created,
+                    state.stream, str(out.finished_reason.get("type")))
+        if self.request_logger is not None and out.finished_reason is not None:
+            self.request_logger.log_finished(state.obj, self._output(state, state.pending[-1:], delta=False))
 
     @staticmethod
     def _meta(state: ReqState, finished: dict[str, Any] | None, prompt_tokens: int, completion_tokens: int,

@@ -1,0 +1,1 @@
+"""Prometheus metrics (--enable-metrics) and request logging (--log-requests)."""
