@@ -102,6 +102,8 @@ class ForwardThread(ForwardExecutor):
             torch.set_num_threads(1)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = torch.cuda.Stream() if str(worker.device).startswith("cuda") else None
+        # NOTE: the current CUDA device is per thread; the forward thread takes ours.
+        self._cuda_device = torch.cuda.current_device() if self._stream is not None else None
         self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
         self._thread.start()
 
@@ -115,6 +117,8 @@ class ForwardThread(ForwardExecutor):
         return future
 
     def _loop(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             while (item := self._queue.get()) is not None:
                 mwb, launched, future = item

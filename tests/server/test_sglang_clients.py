@@ -110,6 +110,7 @@ def test_bench_serving_control_routes_and_profile_trace(client, tmp_path):
         if req["path"] == "/server_info":
             info = r.json()
             assert isinstance(info["internal_states"], list) and info["internal_states"][0]["num_running_reqs"] == 0
+            assert 0.0 <= info["internal_states"][0]["forward_idle_fraction"] < 1.0  # a forward ran (#10)
             assert info["version"]
     [trace] = tmp_path.glob("*-TP-0.trace.json.gz")
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
