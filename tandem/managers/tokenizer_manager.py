@@ -35,16 +35,22 @@ from tandem.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    ControlOutput,
+    ControlReq,
     FlushCacheOutput,
     FlushCacheReq,
     GenerateReqInput,
     GetServerStateReq,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     INTERNAL_ERROR_STATUS,
     ProfileReq,
     ProfileReqOutput,
     ReqOutput,
     ServerStateOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
     error_finish_reason,
 )
 from tandem.managers.multi_tokenizer import rid_prefix
@@ -206,12 +212,14 @@ class TokenizerManager:
             while True:
                 await state.event.wait()
                 state.event.clear()
-                chunks, state.pending = state.pending, []
+                # NOTE: whether *these* chunks end the request, read before yielding: more
+                # outputs (the finish among them) may arrive while the consumer holds a chunk.
+                chunks, state.pending, finished = state.pending, [], state.finished
                 if not chunks:
                     continue
-                if stream or state.finished:
+                if stream or finished:
                     yield self._checked_output(state, chunks, delta=stream and incremental)
-                if state.finished:
+                if finished:
                     return
         finally:
             if not state.finished:
@@ -341,7 +349,20 @@ class TokenizerManager:
             req.profile_id = req.profile_id or str(time.time())
         return await self._control_call(req, timeout)
 
-    async def _control_call(self, msg: GetServerStateReq | FlushCacheReq | ProfileReq, timeout: float) -> Any:
+    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput,
+                                       timeout: float = 600.0) -> UpdateWeightFromDiskReqOutput:
+        """Load new weights of the same architecture; the scheduler pauses admission and
+        swaps them in once the running requests have finished (or were aborted)."""
+        req.request_id = self._new_rid()
+        return await self._control_call(req, timeout)
+
+    async def get_weights_by_name(self, req: GetWeightsByNameReqInput,
+                                  timeout: float = 60.0) -> GetWeightsByNameReqOutput:
+        """The first rows of a served checkpoint tensor (ModelRunner.get_weights_by_name)."""
+        req.request_id = self._new_rid()
+        return await self._control_call(req, timeout)
+
+    async def _control_call(self, msg: ControlReq, timeout: float) -> Any:
         """Send a control request; await the scheduler's reply with the same request_id."""
         self._ensure_handle_loop()
         future = asyncio.get_running_loop().create_future()
@@ -377,7 +398,7 @@ class TokenizerManager:
             self.last_receive_tstamp = time.time()
             if isinstance(msg, (BatchStrOutput, BatchTokenIDOutput)):
                 self._handle_batch_output(msg)
-            elif isinstance(msg, (ServerStateOutput, FlushCacheOutput, ProfileReqOutput)):
+            elif isinstance(msg, ControlOutput):
                 future = self._control_waiters.get(msg.request_id)
                 if future is not None and not future.done():
                     future.set_result(msg)
@@ -422,6 +443,7 @@ class TokenizerManager:
                 }
         meta = self._meta(state, finished, out.prompt_tokens, out.completion_tokens, out.cached_tokens,
                           out.retractions, now)
+        meta["weight_version"] = out.weight_version
         state.pending.append((out.text_delta, out.new_token_ids, deltas, meta))
         state.finished = finished is not None
         if finished is not None and finished.get("status_code") == INTERNAL_ERROR_STATUS:

@@ -202,3 +202,30 @@ def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llam
 
     asyncio.run(run())
     scheduler_in.close()
+
+
+def test_tokenizer_manager_stream_keeps_outputs_that_arrive_while_a_chunk_is_out(tiny_llama_dir, port_args):
+    """A streamed chunk is out with its consumer (e.g. the route awaiting admission) when the
+    request's remaining outputs, its finish included, arrive: none of them is lost."""
+    scheduler_in = pull(port_args.tokenizer_to_scheduler)
+    info = {"context_length": 2048, "vocab_size": 512, "max_total_num_tokens": 4096, "max_running_requests": 8,
+            "eos_token_ids": []}
+
+    async def run() -> None:
+        tm = TokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args, info)
+        try:
+            [stream] = await tm.generate_request(GenerateReqInput(text="hello world", stream=True), incremental=True)
+            [msg] = drain(scheduler_in)
+            tm._handle_batch_output(str_output(msg.rid, "a", [5], None))
+            first = await anext(stream)
+            tm._handle_batch_output(str_output(msg.rid, "b", [6], None))
+            tm._handle_batch_output(str_output(msg.rid, "c", [7], {"type": "length", "length": 3}))
+            rest = [chunk async for chunk in stream]
+            assert first["text"] + "".join(c["text"] for c in rest) == "abc"
+            assert rest[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+        finally:
+            await tm.close()
+            tm.send_to_scheduler.context.destroy(linger=0)
+
+    asyncio.run(run())
+    scheduler_in.close()
