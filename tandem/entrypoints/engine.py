@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.managers.io_struct import GenerateReqInput, GetWeightsByNameReqInput, UpdateWeightFromDiskReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
 from tandem.server_args import ServerArgs
 from tandem.utils.process import configure_logging
@@ -98,6 +98,25 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         """What GET /server_info returns: arguments, capacities, live memory counts."""
         return self._call(self.tokenizer_manager.server_info())
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False, weight_version: str | None = None
+                                 ) -> tuple[bool, str]:
+        """Load new weights of the same architecture from `model_path` (SGLang's
+        Engine.update_weights_from_disk); returns (success, message)."""
+        req = UpdateWeightFromDiskReqInput(request_id="", model_path=model_path, load_format=load_format,
+                                           abort_all_requests=abort_all_requests, weight_version=weight_version)
+        out = self._call(self.tokenizer_manager.update_weights_from_disk(req))
+        return out.success, out.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of the served checkpoint tensor `name`;
+        ValueError when there is none."""
+        out = self._call(self.tokenizer_manager.get_weights_by_name(
+            GetWeightsByNameReqInput(request_id="", name=name, truncate_size=truncate_size)))
+        if out.parameter is None:
+            raise ValueError(out.message)
+        return out.parameter
 
     def pids(self) -> list[int]:
         """Pids of the engine's subprocesses (for checks that none outlives it)."""

@@ -28,6 +28,7 @@ from tandem.entrypoints.limits import BodySizeLimit
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.sglang_routes import add_sglang_routes
+from tandem.entrypoints.weight_routes import add_weight_routes
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.health import EngineHealth, GenerationProbe
 from tandem.entrypoints.shutdown import DRAINING_MESSAGE, WORKER_DRAIN_SIGNAL, DrainGate, DrainingServer
@@ -178,6 +179,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
             return Response(tm.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     add_sglang_routes(app, tm, server_args)
+    add_weight_routes(app, tm)
     add_openai_routes(app, tm, server_args)
     app.add_middleware(BodySizeLimit, max_bytes=server_args.max_request_body_bytes, error=error_for_path)
     add_api_key_middleware(app, server_args.api_key)

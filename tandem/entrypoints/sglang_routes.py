@@ -36,7 +36,7 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
         "tokenizer_path": server_args.tokenizer_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": "default",  # the route reports the scheduler's current one
         "load_format": server_args.load_format,
         "reasoning_parser": None,
         "tool_call_parser": None,
@@ -104,7 +104,13 @@ def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info_route() -> Response:
-        return json_response(info)
+        """The model's description; `weight_version` is the scheduler's (it moves with
+        /update_weights_from_disk)."""
+        try:
+            state = await tm.get_server_state()
+        except asyncio.TimeoutError:
+            return error_response("the scheduler did not answer", 503)
+        return json_response({**info, "weight_version": state.weight_version})
 
     @app.get("/server_info")
     @app.get("/get_server_info")

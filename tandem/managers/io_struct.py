@@ -68,28 +68,42 @@ class AbortLabelReq:
 
 
 @dataclass
-class FlushCacheReq:
-    """Empty the prefix cache; refused while requests run or wait."""
+class ControlReq:
+    """A control call from a tokenizer manager to the scheduler (not a generate request).
+
+    The scheduler answers each with one `ControlOutput` of the same `request_id` (its
+    handler table, `Scheduler.control_handlers`); the id starts with the asking tokenizer
+    worker's number, so the reply reaches that worker (managers/multi_tokenizer.py)."""
 
     request_id: str
 
 
 @dataclass
-class FlushCacheOutput:
+class ControlOutput:
+    """The scheduler's reply to a `ControlReq`, matched to its caller by `request_id`."""
+
     request_id: str
+
+
+@dataclass
+class FlushCacheReq(ControlReq):
+    """Empty the prefix cache; refused while requests run or wait."""
+
+
+@dataclass
+class FlushCacheOutput(ControlOutput):
     success: bool
     message: str = ""
 
 
 @dataclass
-class ProfileReq:
+class ProfileReq(ControlReq):
     """Start or stop the torch profiler in the scheduler (SGLang's /start_profile, /stop_profile).
 
     On stop (or after `num_steps` forward steps) the trace is written to
     `{output_dir}/{profile_prefix-}{profile_id}-TP-0.trace.json.gz`.
     """
 
-    request_id: str
     action: str  # "start" or "stop"
     output_dir: str | None = None
     num_steps: int | None = None
@@ -101,28 +115,60 @@ class ProfileReq:
 
 
 @dataclass
-class ProfileReqOutput:
-    request_id: str
+class ProfileReqOutput(ControlOutput):
     success: bool
     message: str = ""
 
 
 @dataclass
-class GetServerStateReq:
+class GetServerStateReq(ControlReq):
     """Ask the scheduler for its live counts; answered with ServerStateOutput."""
-
-    request_id: str
 
 
 @dataclass
-class ServerStateOutput:
+class UpdateWeightFromDiskReqInput(ControlReq):
+    """Load new weights of the same architecture from `model_path` (SGLang's body). The
+    scheduler stops admitting, lets the running requests finish (or aborts them all with
+    `abort_all_requests`), loads into new tensors, swaps them in only on success, flushes
+    the prefix cache and sets the weight version (`weight_version`, else a counter)."""
+
+    model_path: str = ""
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput(ControlOutput):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    weight_version: str = "default"
+
+
+@dataclass
+class GetWeightsByNameReqInput(ControlReq):
+    """The first `truncate_size` rows of the checkpoint tensor `name` (a flat tensor: its
+    first values) of the weights being served (see ModelRunner.get_weights_by_name)."""
+
+    name: str = ""
+    truncate_size: int = 100
+
+
+@dataclass
+class GetWeightsByNameReqOutput(ControlOutput):
+    parameter: list | None  # None: no such weight (see message)
+    message: str = ""
+
+
+@dataclass
+class ServerStateOutput(ControlOutput):
     """Live scheduler counts, for /server_info and memory checks.
 
     Memory invariant (DESIGN.md §5), when idle:
     free_kv_slots + evictable_cached_slots == max_total_num_tokens.
     """
 
-    request_id: str
     max_total_num_tokens: int
     free_kv_slots: int
     evictable_cached_slots: int
@@ -132,6 +178,9 @@ class ServerStateOutput:
     free_req_rows: int
     # Rolling fraction of time the forward sat idle waiting for the scheduler (#10).
     forward_idle_fraction: float = 0.0
+    # The version of the weights being served (SGLang's name): "default", then set by
+    # each /update_weights_from_disk.
+    weight_version: str = "default"
 
 
 @dataclass
@@ -185,6 +234,8 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # The version of the weights that produced it (meta_info["weight_version"]).
+    weight_version: str = "default"
 
 
 _REQ_OUTPUT_VALUES = operator.attrgetter(*(f.name for f in dataclasses.fields(ReqOutput)))

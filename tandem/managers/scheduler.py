@@ -26,7 +26,7 @@ import sys
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -36,13 +36,19 @@ from tandem.managers.forward_executor import ForwardExecutor, ForwardThread
 from tandem.managers.forward_watchdog import ForwardWatchdog
 from tandem.managers.io_struct import (
     AbortReq,
+    ControlOutput,
+    ControlReq,
     FlushCacheOutput,
     FlushCacheReq,
     GetServerStateReq,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     ProfileReq,
     ReadyMessage,
     ServerStateOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
     error_finish_reason,
 )
 from tandem.managers.profiler import SchedulerProfiler
@@ -117,6 +123,19 @@ class Scheduler:
         self.last_batch_was_chunk = False
         # Overlap loop: the launched batch whose result is not processed yet.
         self.inflight: LaunchedBatch | None = None
+        # A weight update waiting for the running requests to finish; admission is paused
+        # meanwhile (`update_weights_when_idle`).
+        self.pending_weight_update: UpdateWeightFromDiskReqInput | None = None
+        self.weight_version = "default"
+        self.num_weight_updates = 0
+        # Control calls: message type -> handler returning the reply (None: it replies later).
+        self.control_handlers: dict[type, Callable[[Any], ControlOutput | None]] = {
+            GetServerStateReq: lambda msg: self.server_state(msg.request_id),
+            FlushCacheReq: lambda msg: self.flush_cache(msg.request_id),
+            ProfileReq: self.profiler.handle,
+            UpdateWeightFromDiskReqInput: self.handle_update_weights,
+            GetWeightsByNameReqInput: self.get_weights_by_name,
+        }
 
     def info(self) -> dict:
         """Resolved capacities reported to the parent at start-up."""
@@ -133,6 +152,7 @@ class Scheduler:
         """The overlap loop, or the normal one under --disable-overlap-schedule."""
         while True:
             self.process_input_requests(self.recv_requests())
+            self.update_weights_when_idle()
             if not self.step():
                 self.executor.stats.mark_idle()
                 self.io.wait(IDLE_POLL_MS)
@@ -181,12 +201,10 @@ class Scheduler:
             self.handle_generate_request(msg)
         elif isinstance(msg, AbortReq):
             self.handle_abort(msg)
-        elif isinstance(msg, GetServerStateReq):
-            self.io.send_reply(self.server_state(msg.request_id))
-        elif isinstance(msg, FlushCacheReq):
-            self.io.send_reply(self.flush_cache(msg.request_id))
-        elif isinstance(msg, ProfileReq):
-            self.io.send_reply(self.profiler.handle(msg))
+        elif isinstance(msg, ControlReq) and type(msg) in self.control_handlers:
+            reply = self.control_handlers[type(msg)](msg)
+            if reply is not None:
+                self.io.send_reply(reply)
         else:
             logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -243,6 +261,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting_queue),
             free_req_rows=self.kv.req_to_token_pool.available_size(),
             forward_idle_fraction=self.executor.stats.idle_fraction(),
+            weight_version=self.weight_version,
         )
 
     def flush_cache(self, request_id: str) -> FlushCacheOutput:
@@ -251,6 +270,41 @@ class Scheduler:
         self.sync_inflight()  # an extra step of a finished request may still write its KV
         self.tree_cache.reset()
         return FlushCacheOutput(request_id, True)
+
+    def get_weights_by_name(self, msg: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        try:
+            values = self.worker.model_runner.get_weights_by_name(msg.name, msg.truncate_size)
+        except ValueError as e:
+            return GetWeightsByNameReqOutput(msg.request_id, None, str(e))
+        return GetWeightsByNameReqOutput(msg.request_id, values)
+
+    def handle_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput | None:
+        """Pause admission (optionally aborting every request); the update runs, and is
+        answered, once nothing runs (`update_weights_when_idle`)."""
+        if self.pending_weight_update is not None:
+            return UpdateWeightFromDiskReqOutput(msg.request_id, False, "another weight update is in progress",
+                                                 weight_version=self.weight_version)
+        if msg.abort_all_requests:
+            self.handle_abort(AbortReq(abort_all=True, message="aborted for a weight update"))
+        self.pending_weight_update = msg
+        return None
+
+    def update_weights_when_idle(self) -> None:
+        """Run the pending weight update once no request runs: load, flush the prefix
+        cache (its KV came from the old weights), set the version, resume admission."""
+        msg = self.pending_weight_update
+        if msg is None or self.active_reqs():
+            return
+        self.sync_inflight()  # an extra step of a finished request may still write its KV
+        success, message = self.worker.model_runner.update_weights_from_disk(msg.model_path, msg.load_format)
+        if success:
+            self.tree_cache.reset()
+            self.num_weight_updates += 1
+            self.weight_version = msg.weight_version or str(self.num_weight_updates)
+        self.pending_weight_update = None
+        self.io.send_reply(UpdateWeightFromDiskReqOutput(msg.request_id, success, message,
+                                                         num_paused_requests=len(self.waiting_queue),
+                                                         weight_version=self.weight_version))
 
     def handle_abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
@@ -300,7 +354,8 @@ class Scheduler:
                              self.server_args.max_prefill_tokens, self.chunk_size)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
-        adder.add_waiting(self.policy.order(self.waiting_queue))
+        if self.pending_weight_update is None:  # a weight update pauses admission
+            adder.add_waiting(self.policy.order(self.waiting_queue))
         if not adder.reqs:
             return None
         if adder.chunked_req is not None:
@@ -455,7 +510,7 @@ class Scheduler:
     # ---- output --------------------------------------------------------------------
     def send_outputs(self, reqs: list[Req]) -> None:
         """One BatchTokenIDOutput for every request of `reqs` that has something due."""
-        out = build_batch_output(reqs, self.server_args.stream_interval,
+        out = build_batch_output(reqs, self.server_args.stream_interval, self.weight_version,
                                  lambda req, e: self._abort_on_error(req, "building its output", e))
         if out is not None:
             self.io.send_output(out)

@@ -10,10 +10,11 @@ from tandem.managers.io_struct import BatchTokenIDOutput, ReqOutput
 from tandem.managers.schedule_batch import Req
 
 
-def build_batch_output(reqs: list[Req], stream_interval: int,
+def build_batch_output(reqs: list[Req], stream_interval: int, weight_version: str,
                        on_error: Callable[[Req, Exception], None]) -> BatchTokenIDOutput | None:
-    """Everything due of `reqs`, or None when nothing is. A request whose record cannot
-    be built is reported to `on_error` (which ends it) and sent as an error finish."""
+    """Everything due of `reqs`, or None when nothing is, stamped with the served
+    `weight_version`. A request whose record cannot be built is reported to `on_error`
+    (which ends it) and sent as an error finish."""
     out = BatchTokenIDOutput()
     for req in reqs:
         new_len = len(req.output_ids) - req.sent_len
@@ -25,6 +26,7 @@ def build_batch_output(reqs: list[Req], stream_interval: int,
         except Exception as e:  # noqa: BLE001 - the second wall
             on_error(req, e)
             record = error_record(req)
+        record.weight_version = weight_version
         out.outputs.append(record)
         req.sent_len = len(req.output_ids)
         req.sent_detokenize_params = True

@@ -35,6 +35,19 @@ CPU_DEFAULT_MEM_FRACTION = 0.1
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
+# Config fields that fix the parameters' shapes: a weight update must keep them.
+SHAPE_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+def check_same_shapes(served, new) -> None:
+    """ValueError naming the first shape-fixing config field where `new` differs."""
+    for key in SHAPE_CONFIG_KEYS:
+        if getattr(served, key, None) != getattr(new, key, None):
+            raise ValueError(f"the new model's {key} ({getattr(new, key, None)}) differs from the served "
+                             f"model's ({getattr(served, key, None)})")
+
+
 def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -63,6 +76,16 @@ class ModelRunner:
         self.sampler = Sampler(server_args.random_seed, self.device)
 
     def _load_model(self, tp_rank: int, tp_size: int) -> None:
+        self.model = self._build_model(self.server_args.model_path, self.server_args.load_format)
+        # The checkpoint the served weights came from (None: dummy weights).
+        self.weights_path: str | None = None if self.server_args.load_format == "dummy" else self.server_args.model_path
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = self.config.num_hidden_layers
+
+    def _build_model(self, model_path: str, load_format: str) -> torch.nn.Module:
+        """A new model of `self.config`'s shapes with the weights of `model_path`, prepared
+        for serving (packed linear kernels); used at start-up and by weight updates."""
         cls = resolve_model_class(self.config)
         # NOTE: built under a default dtype rather than cast afterwards, so buffers that
         # must stay float32 (the RoPE tables) keep their precision.
@@ -70,18 +93,42 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.config, tp_rank=tp_rank, tp_size=tp_size)
+                model = cls(self.config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         finally:
             torch.set_default_dtype(previous)
-        if self.server_args.load_format == "dummy":
+        if load_format == "dummy":
             initialize_dummy_weights(model, self.server_args.random_seed)
         else:
-            model.load_weights(iterate_weights(self.server_args.model_path, show_progress=tp_rank == 0))
+            model.load_weights(iterate_weights(model_path, show_progress=self.tp_rank == 0))
         model.process_weights_after_loading(self.server_args.linear_backend)
-        self.model = model.eval()
-        attn = self.model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.num_layers = self.config.num_hidden_layers
+        return model.eval()
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
+        """Load `model_path`'s weights into new tensors and swap them in on success; on any
+        failure (no such model, another architecture, a missing or misshapen tensor) the
+        old weights keep serving. Returns (success, message) in SGLang's words."""
+        load_format = load_format or self.server_args.load_format
+        try:
+            check_same_shapes(self.config, load_config(model_path))
+            model = self._build_model(model_path, load_format)
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay
+            logger.error("weight update from %s failed: %s", model_path, e)
+            return False, f"Failed to update weights: {type(e).__name__}: {e}. The old weights are kept."
+        self.model = model
+        self.weights_path = None if load_format == "dummy" else model_path
+        return True, "Succeeded to update model weights."
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows (a 1-D tensor: values) of checkpoint tensor `name`
+        of the served weights, as float lists. Read from the checkpoint the weights were
+        loaded from (the packed linear kernels keep no row-major copy), whole, not this
+        rank's shard. Raises ValueError when there is no such tensor."""
+        if self.weights_path is None:
+            raise ValueError("the served weights are dummy weights (--load-format dummy); none can be read")
+        for tensor_name, tensor in iterate_weights(self.weights_path, show_progress=False):
+            if tensor_name == name:
+                return tensor[:truncate_size].to(torch.float32).tolist()
+        raise ValueError(f"no weight named {name!r} in {self.weights_path!r}")
 
     def _init_memory_pools(self) -> None:
         args = self.server_args

@@ -133,3 +133,19 @@ def test_no_process_survives_interpreter_exit_without_shutdown(tiny_llama_dir, t
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["n"] == 3 and len(report["pids"]) == 2
     assert _wait_gone(report["pids"]) == []
+
+
+def test_engine_weight_calls(engine, tiny_llama_dir, tmp_path):
+    """update_weights_from_disk / get_weights_by_name (to the same weights, so the other
+    tests of this module are unaffected; tests/server/test_update_weights.py covers more)."""
+    from safetensors import safe_open
+
+    ok, message = engine.update_weights_from_disk(str(tmp_path / "missing"))
+    assert not ok and "config.json" in message
+    assert engine.update_weights_from_disk(str(tiny_llama_dir), weight_version="v2")[0]
+    assert engine.get_server_info()["weight_version"] == "v2"
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        expected = f.get_slice("model.norm.weight")[:5].float().tolist()
+    assert engine.get_weights_by_name("model.norm.weight", truncate_size=5) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="no.such"):
+        engine.get_weights_by_name("no.such")

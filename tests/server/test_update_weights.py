@@ -1,0 +1,129 @@
+"""Weight updates without a restart (issue #12 part 2): /update_weights_from_disk swaps in
+model B's weights (same architecture, another seed), /get_weights_by_name shows them, the
+weight version moves, the memory invariant holds; a bad update leaves model A serving."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+
+import hf_reference
+from http_helpers import assert_memory_idle, generate, stream_events
+from server_launcher import ServerHandle
+from tandem.tools.make_tiny_model import make_tiny_model
+
+PROMPT = [1, 17, 42, 99, 7, 23]
+NEW_TOKENS = 12
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", arch="llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir):
+    """A server of its own: the updates must not reach the shared session server."""
+    with ServerHandle(tiny_llama_dir) as handle, httpx.Client(base_url=handle.base_url, timeout=120) as c:
+        yield c
+
+
+def greedy(client) -> dict:
+    return generate(client, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                                               "ignore_eos": True})
+
+
+def checkpoint_rows(model_dir, name: str, rows: int) -> torch.Tensor:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return f.get_slice(name)[:rows].float()
+
+
+def test_bad_updates_keep_model_a(client, tiny_llama_dir, tmp_path_factory):
+    before = greedy(client)
+    assert before["output_ids"] == hf_reference.greedy_ids(tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    mqa = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mqa-bad", arch="llama", preset="tiny-mqa")
+    for path, words in ((tmp_path_factory.mktemp("empty") / "nothing", "config.json"),
+                        (mqa, "num_key_value_heads")):
+        r = client.post("/update_weights_from_disk", json={"model_path": str(path)})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body["success"] is False and words in body["message"], body
+    assert greedy(client)["output_ids"] == before["output_ids"]
+    assert client.get("/server_info").json()["weight_version"] == "default"
+    assert client.post("/update_weights_from_disk", json={}).status_code == 400
+
+
+def test_update_to_model_b(client, tiny_llama_dir, model_b):
+    a_rows = client.post("/get_weights_by_name", json={"name": EMBED, "truncate_size": 2})
+    assert a_rows.status_code == 200, a_rows.text
+    assert torch.allclose(torch.tensor(a_rows.json()), checkpoint_rows(tiny_llama_dir, EMBED, 2))
+    assert greedy(client)["meta_info"]["weight_version"] == "default"
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(model_b), "load_format": "auto"})
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and r.json()["num_paused_requests"] == 0
+
+    out = greedy(client)
+    expected = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert expected != hf_reference.greedy_ids(tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert out["output_ids"] == expected
+    assert out["meta_info"]["weight_version"] == "1"
+    assert out["meta_info"]["cached_tokens"] == 0  # the prefix cache was flushed with the old weights
+    b_rows = client.post("/get_weights_by_name", json={"name": EMBED, "truncate_size": 2}).json()
+    assert torch.allclose(torch.tensor(b_rows), checkpoint_rows(model_b, EMBED, 2)) and b_rows != a_rows.json()
+    assert assert_memory_idle(client)["weight_version"] == "1"
+    assert client.get("/model_info").json()["weight_version"] == "1"
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(tiny_llama_dir), "weight_version": "v-a"})
+    assert r.status_code == 200 and client.get("/server_info").json()["weight_version"] == "v-a"
+    missing = client.post("/get_weights_by_name", json={"name": "no.such.weight"})
+    assert missing.status_code == 400 and "no.such.weight" in missing.text
+
+
+def test_update_waits_for_running_requests_or_aborts_them(client, tiny_llama_dir, model_b):
+    """A request running when the update arrives finishes on the old weights alone (no
+    mixed tokens); with abort_all_requests it is aborted instead."""
+    long_body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True},
+                 "stream": True}
+    # The module's earlier tests leave model A serving.
+    for path, abort in ((model_b, False), (tiny_llama_dir, True)):
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream_events, client, "/generate", long_body)
+            wait_running(client)
+            r = client.post("/update_weights_from_disk", json={"model_path": str(path), "abort_all_requests": abort})
+            assert r.status_code == 200, r.text
+            events = running.result()
+        last = events[-1]["meta_info"]
+        if abort:
+            assert last["finish_reason"]["type"] == "abort", last
+        else:
+            assert last["finish_reason"]["type"] == "length", last
+            # all from model A (streamed chunks are cumulative: the last holds every id)
+            assert events[-1]["output_ids"] == hf_reference.greedy_ids(tiny_llama_dir, PROMPT, 150,
+                                                                       min_new_tokens=150)
+            assert len({e["meta_info"]["weight_version"] for e in events}) == 1
+    assert_memory_idle(client)
+
+
+def wait_running(client, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/server_info").json()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_update_under_tensor_parallelism(tiny_llama_dir, model_b):
+    """With --tp-size 2 every rank loads its shard of model B; only rank 0 answers."""
+    with ServerHandle(tiny_llama_dir, extra_args=["--tp-size", "2", "--skip-server-warmup"]) as handle, \
+            httpx.Client(base_url=handle.base_url, timeout=120) as tp_client:
+        r = tp_client.post("/update_weights_from_disk", json={"model_path": str(model_b)})
+        assert r.status_code == 200, r.text
+        expected = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert greedy(tp_client)["output_ids"] == expected
+        assert_memory_idle(tp_client)
