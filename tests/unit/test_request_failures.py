@@ -154,78 +154,77 @@ async def _generate(tm: TokenizerManager, **kwargs):
     return await tm.generate_request(GenerateReqInput(text="hello world", **kwargs))
 
 
-def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llama_dir, port_args):
+def run_with_manager(model_dir, port_args, body) -> None:
+    """Run `await body(tm, scheduler_in)` against an in-process TokenizerManager whose
+    requests arrive on the PULL socket `scheduler_in`; close both afterwards."""
     scheduler_in = pull(port_args.tokenizer_to_scheduler)
     info = {"context_length": 2048, "vocab_size": 512, "max_total_num_tokens": 4096, "max_running_requests": 8,
             "eos_token_ids": []}
 
     async def run() -> None:
-        tm = TokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args, info)
+        tm = TokenizerManager(ServerArgs(model_path=str(model_dir)), port_args, info)
         try:
-            [good] = await _generate(tm, rid="x")
-            [bad] = await _generate(tm, rid="y", return_logprob=True)
-            with pytest.raises(ValueError, match="^Duplicate request ID detected: x$"):
-                await _generate(tm, rid="x")
-            sent = drain(scheduler_in)
-            good_id, bad_id = [m.rid for m in sent]
-            assert good_id != bad_id and {good_id, bad_id}.isdisjoint({"x", "y"})
-            tm._handle_batch_output(str_output(bad_id, "a", [5], None, logprobs=[(0.1,)]))  # (logprob, id) expected
-            tm._handle_batch_output(str_output(good_id, "ok", [5, 6], {"type": "length", "length": 2}))
-            [bad_out] = [o async for o in bad]
-            assert_error_finish(bad_out["meta_info"]["finish_reason"], "handling its output", "ValueError")
-            assert bad_out["meta_info"]["id"] == "y"
-            [abort] = drain(scheduler_in)
-            assert abort == AbortReq(rid=bad_id)  # the scheduler is told to stop it
-            [good_out] = [o async for o in good]
-            assert good_out["text"] == "ok" and good_out["meta_info"]["id"] == "x"
-
-            # The label is free again; a late output of the old request never reaches the new one.
-            [again] = await _generate(tm, rid="x")
-            [msg] = drain(scheduler_in)
-            assert msg.rid not in (good_id, bad_id)
-            tm._handle_batch_output(str_output(good_id, "late", [9], {"type": "abort", "message": "aborted"}))
-            tm._handle_batch_output(str_output(msg.rid, "new", [7], {"type": "length", "length": 1}))
-            [again_out] = [o async for o in again]
-            assert again_out["text"] == "new" and again_out["meta_info"]["finish_reason"]["type"] == "length"
-
-            # A detokenizer failure: the tokenizer manager tells the scheduler to stop the request.
-            [failing] = await _generate(tm, rid="z")
-            [msg] = drain(scheduler_in)
-            tm._handle_batch_output(str_output(msg.rid, "", [], {"type": "abort", "status_code": 500, "message": "m"}))
-            [out] = [o async for o in failing]
-            assert out["meta_info"]["finish_reason"]["status_code"] == 500
-            assert drain(scheduler_in) == [AbortReq(rid=msg.rid)]
-            assert tm.rid_to_state == {} and tm.label_to_rids == {}
+            await body(tm, scheduler_in)
         finally:
             await tm.close()
             tm.send_to_scheduler.context.destroy(linger=0)
 
     asyncio.run(run())
     scheduler_in.close()
+
+
+def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llama_dir, port_args):
+    async def body(tm: TokenizerManager, scheduler_in: zmq.Socket) -> None:
+        [good] = await _generate(tm, rid="x")
+        [bad] = await _generate(tm, rid="y", return_logprob=True)
+        with pytest.raises(ValueError, match="^Duplicate request ID detected: x$"):
+            await _generate(tm, rid="x")
+        sent = drain(scheduler_in)
+        good_id, bad_id = [m.rid for m in sent]
+        assert good_id != bad_id and {good_id, bad_id}.isdisjoint({"x", "y"})
+        tm._handle_batch_output(str_output(bad_id, "a", [5], None, logprobs=[(0.1,)]))  # (logprob, id) expected
+        tm._handle_batch_output(str_output(good_id, "ok", [5, 6], {"type": "length", "length": 2}))
+        [bad_out] = [o async for o in bad]
+        assert_error_finish(bad_out["meta_info"]["finish_reason"], "handling its output", "ValueError")
+        assert bad_out["meta_info"]["id"] == "y"
+        [abort] = drain(scheduler_in)
+        assert abort == AbortReq(rid=bad_id)  # the scheduler is told to stop it
+        [good_out] = [o async for o in good]
+        assert good_out["text"] == "ok" and good_out["meta_info"]["id"] == "x"
+
+        # The label is free again; a late output of the old request never reaches the new one.
+        [again] = await _generate(tm, rid="x")
+        [msg] = drain(scheduler_in)
+        assert msg.rid not in (good_id, bad_id)
+        tm._handle_batch_output(str_output(good_id, "late", [9], {"type": "abort", "message": "aborted"}))
+        tm._handle_batch_output(str_output(msg.rid, "new", [7], {"type": "length", "length": 1}))
+        [again_out] = [o async for o in again]
+        assert again_out["text"] == "new" and again_out["meta_info"]["finish_reason"]["type"] == "length"
+
+        # A detokenizer failure: the tokenizer manager tells the scheduler to stop the request.
+        [failing] = await _generate(tm, rid="z")
+        [msg] = drain(scheduler_in)
+        tm._handle_batch_output(str_output(msg.rid, "", [], {"type": "abort", "status_code": 500, "message": "m"}))
+        [out] = [o async for o in failing]
+        assert out["meta_info"]["finish_reason"]["status_code"] == 500
+        assert drain(scheduler_in) == [AbortReq(rid=msg.rid)]
+        assert tm.rid_to_state == {} and tm.label_to_rids == {}
+
+    run_with_manager(tiny_llama_dir, port_args, body)
 
 
 def test_tokenizer_manager_stream_keeps_outputs_that_arrive_while_a_chunk_is_out(tiny_llama_dir, port_args):
     """A streamed chunk is out with its consumer (e.g. the route awaiting admission) when the
     request's remaining outputs, its finish included, arrive: none of them is lost."""
-    scheduler_in = pull(port_args.tokenizer_to_scheduler)
-    info = {"context_length": 2048, "vocab_size": 512, "max_total_num_tokens": 4096, "max_running_requests": 8,
-            "eos_token_ids": []}
+    async def body(tm: TokenizerManager, scheduler_in: zmq.Socket) -> None:
+        [stream] = await tm.generate_request(GenerateReqInput(text="hello world", stream=True), incremental=True)
+        [msg] = drain(scheduler_in)
+        tm._handle_batch_output(str_output(msg.rid, "a", [5], None))
+        first = await anext(stream)
+        tm._handle_batch_output(str_output(msg.rid, "b", [6], None))
+        tm._handle_batch_output(str_output(msg.rid, "c", [7], {"type": "length", "length": 3}))
+        rest = [chunk async for chunk in stream]
+        assert first["text"] + "".join(c["text"] for c in rest) == "abc"
+        assert rest[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
-    async def run() -> None:
-        tm = TokenizerManager(ServerArgs(model_path=str(tiny_llama_dir)), port_args, info)
-        try:
-            [stream] = await tm.generate_request(GenerateReqInput(text="hello world", stream=True), incremental=True)
-            [msg] = drain(scheduler_in)
-            tm._handle_batch_output(str_output(msg.rid, "a", [5], None))
-            first = await anext(stream)
-            tm._handle_batch_output(str_output(msg.rid, "b", [6], None))
-            tm._handle_batch_output(str_output(msg.rid, "c", [7], {"type": "length", "length": 3}))
-            rest = [chunk async for chunk in stream]
-            assert first["text"] + "".join(c["text"] for c in rest) == "abc"
-            assert rest[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
-        finally:
-            await tm.close()
-            tm.send_to_scheduler.context.destroy(linger=0)
-
-    asyncio.run(run())
-    scheduler_in.close()
+    run_with_manager(tiny_llama_dir, port_args, body)
