@@ -62,7 +62,7 @@ from tandem.benchmarks.datasets import (  # noqa: E402
     load_token_space,
 )
 from tandem.benchmarks.metrics import RequestResult, compute_metrics  # noqa: E402
-from tandem.utils.process import free_port  # noqa: E402
+from tandem.utils.process import free_port, pid_alive  # noqa: E402
 
 ENGINES = ("tandem", "vllm", "sglang", "hf")
 PEER_ENGINES = ("vllm", "sglang")
@@ -198,9 +198,9 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in self.pids):
             time.sleep(0.2)
-        killed = [p for p in sorted(self.pids) if _alive(p)]
+        killed = [p for p in sorted(self.pids) if pid_alive(p)]
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except ProcessLookupError:
@@ -216,17 +216,10 @@ class Server:
             pass
         for pid in killed:
             deadline = time.monotonic() + 5
-            while _alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
         self._log.close()
         return killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def stop_all_servers(*_: Any) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tandem.utils.process import free_port
+from tandem.utils.process import free_port, pid_alive
 
 LOG_DIR = Path(os.environ.get("TANDEM_TEST_LOG_DIR", "/tmp/tandem-test-logs"))
 
@@ -95,9 +95,9 @@ class ServerHandle:
         survivors = []
         deadline = time.monotonic() + 10
         for pid in sorted(self.pids):
-            while _alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _alive(pid):
+            if pid_alive(pid):
                 survivors.append(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -115,9 +115,3 @@ class ServerHandle:
         self.stop(check=exc[0] is None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -17,12 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
 from tandem.entrypoints.streams import last_outputs
 from tandem.managers.forward_watchdog import forward_stuck_for
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.utils.process import pid_alive
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 RECENT_PROGRESS_S = 2.0
@@ -40,20 +39,13 @@ class EngineHealth:
     def problem(self, watchdog_timeout: float) -> str | None:
         """Why the engine cannot serve (a process has exited, a forward step is stuck past
         --watchdog-timeout), or None."""
-        dead = [name for name, pid in self.pids.items() if not _alive(pid)]
+        dead = [name for name, pid in self.pids.items() if not pid_alive(pid)]
         if dead:
             return f"the {dead[0]} process has exited"
         stuck = forward_stuck_for(self.forward_stamp) if self.forward_stamp is not None else 0.0
         if stuck > watchdog_timeout:
             return f"a forward step has run for {stuck:.0f} s (--watchdog-timeout {watchdog_timeout:g})"
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 class GenerationProbe:

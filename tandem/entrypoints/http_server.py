@@ -36,7 +36,7 @@ from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, 
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.entrypoints.tokenizer_workers import serve_with_workers
 from tandem.managers.io_struct import GenerateReqInput
-from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.managers.tokenizer_manager import SchedulerTimeout, TokenizerManager
 from tandem.metrics.collector import CONTENT_TYPE as METRICS_CONTENT_TYPE, enable_multiprocess_metrics
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils.process import (
@@ -94,6 +94,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # JSON bodies parsed by orjson (json_body.py)
+
+    @app.exception_handler(SchedulerTimeout)
+    async def scheduler_timeout(request: Request, exc: SchedulerTimeout) -> Response:
+        """A control call (server state, flush, profile, weights) the scheduler did not answer."""
+        return error_response("the scheduler did not answer", 503)
 
     @app.exception_handler(RecursionError)
     async def too_deep(request: Request, exc: RecursionError) -> Response:

@@ -5,7 +5,6 @@ bodies and responses are SGLang's."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,10 +51,7 @@ def add_weight_routes(app: FastAPI, tm) -> None:
                 raise ValueError("model_path: required")
         except (ValueError, InvalidBody) as e:
             return error_response(str(e), 400)
-        try:
-            out = await tm.update_weights_from_disk(req)
-        except asyncio.TimeoutError:
-            return error_response("the scheduler did not answer", 503)
+        out = await tm.update_weights_from_disk(req)
         content = {"success": out.success, "message": out.message, "num_paused_requests": out.num_paused_requests}
         return json_response(content, 200 if out.success else 400)
 
@@ -70,10 +66,7 @@ def add_weight_routes(app: FastAPI, tm) -> None:
                 raise ValueError("name: required" if not req.name else "truncate_size: must be >= 0")
         except (ValueError, InvalidBody) as e:
             return error_response(str(e), 400)
-        try:
-            out = await tm.get_weights_by_name(req)
-        except asyncio.TimeoutError:
-            return error_response("the scheduler did not answer", 503)
+        out = await tm.get_weights_by_name(req)
         if out.parameter is None:
             return error_response(f"Get parameter by name failed: {out.message}", 400)
         return json_response(out.parameter)

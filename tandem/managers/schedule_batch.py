@@ -175,8 +175,10 @@ class ScheduleBatch:
         for i, req in enumerate(self.reqs):
             if self.is_prefill(i):
                 new = req.seq_ids[req.kv_len : req.kv_len + self.extend_lens[i]]
+            elif req.pending_tokens:  # NOTE: not launched_output_ids(): it copies output_ids
+                new = [FutureMap.placeholder(req.req_pool_idx)]
             else:
-                new = req.launched_output_ids()[-1:]
+                new = req.output_ids[-1:]
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(new))
             seq_lens.append(req.kv_len + len(new))

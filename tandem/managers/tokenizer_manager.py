@@ -68,6 +68,10 @@ LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_id
 _INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
+class SchedulerTimeout(asyncio.TimeoutError):
+    """A control call got no reply in time (the HTTP routes answer 503)."""
+
+
 @dataclass
 class ReqState:
     """Everything the main process knows about one request in flight."""
@@ -370,6 +374,8 @@ class TokenizerManager:
         zmq_io.send(self.send_to_scheduler, msg)
         try:
             return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError as e:
+            raise SchedulerTimeout(f"the scheduler did not answer {type(msg).__name__}") from e
         finally:
             self._control_waiters.pop(msg.request_id, None)
 

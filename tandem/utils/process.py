@@ -85,6 +85,14 @@ def configure_logging(level: str, prefix: str) -> None:
     )
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

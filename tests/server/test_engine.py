@@ -15,24 +15,17 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 
 from server_launcher import ServerHandle
+from tandem.utils.process import pid_alive
 
 PARAMS = {"max_new_tokens": 12, "temperature": 0}
 PROMPTS = ["The cat sat", "Engines and servers agree", "x"]
 
 
 def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return [pid for pid in pids if pid_alive(pid)]
 
 
 def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
