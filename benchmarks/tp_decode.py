@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.distributed import TpGroup, init_tp_group
-from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.forward_batch import ForwardBatch, ForwardMode
 
 
 def _timed(fn, spent: list[float]):

@@ -45,7 +45,7 @@ from tandem.managers.schedule_batch import Req, ScheduleBatch
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.managers.tp_worker import TpModelWorker
-from tandem.model_executor.forward_batch import ForwardMode
+from tandem.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import ServerArgs
 

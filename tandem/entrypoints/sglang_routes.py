@@ -9,7 +9,6 @@ feature; docs/api.md lists what differs.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -18,6 +17,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 
 import tandem
+from tandem.entrypoints.json_body import InvalidBody, parse_json_body
 from tandem.managers.io_struct import ProfileReq
 from tandem.model_executor.model_loader import load_config
 
@@ -69,9 +69,9 @@ async def _profile_body(request: Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"request body: invalid JSON ({e})") from e
+        body = parse_json_body(raw)
+    except InvalidBody as e:
+        raise ValueError(e.msg) from e
     if not isinstance(body, dict):
         raise ValueError("request body: must be a JSON object")
     return body

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 
 
 @dataclass

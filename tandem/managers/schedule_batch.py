@@ -24,7 +24,7 @@ import torch
 from tandem.layers.sampler import SamplingBatchInfo
 from tandem.managers.future_map import FutureMap
 from tandem.managers.io_struct import DetokenizeParams
-from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
 

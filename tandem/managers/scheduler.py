@@ -60,7 +60,7 @@ from tandem.managers.tp_worker import GenerationBatchResult, HostBatchResult, Tp
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
-from tandem.model_executor.forward_batch import ForwardMode
+from tandem.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -409,15 +409,20 @@ class Scheduler:
 
     def wait_result(self, launched: LaunchedBatch) -> HostBatchResult:
         with self.watchdog.watching(launched.batch):
-            result = launched.future.result()
+            launched.future.result()
+        return self.host_result(launched)
+
+    def host_result(self, launched: LaunchedBatch) -> HostBatchResult:
+        """The finished forward's result on the host."""
         self.profiler.step()
-        return result.to_host(launched.mwb)
+        return launched.future.result().to_host(launched.mwb)
 
     def run_batch(self, batch: ScheduleBatch) -> HostBatchResult:
-        """Launch `batch` and wait for its result (the normal loop)."""
+        """Launch `batch` and wait for its result (the normal loop: the forward runs
+        inside `launch`, so the watchdog watches that)."""
         with self.watchdog.watching(batch):
             launched = self.launch(batch)
-        return self.wait_result(launched)
+        return self.host_result(launched)
 
     def process_launched(self, launched: LaunchedBatch) -> None:
         self.process_batch_result(launched.batch, self.wait_result(launched))

@@ -21,7 +21,7 @@ from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
 from tandem.models.llama import ModelContext
 from tandem.models.registry import resolve_model_class

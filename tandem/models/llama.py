@@ -26,7 +26,7 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.mem_cache.memory_pool import TokenToKVPool
-from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 
 
 def rope_settings(config) -> tuple[float, dict | None]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.model_executor.forward_batch import ForwardMode
+from tandem.forward_batch import ForwardMode
 
 # Decode steps longer than this (seconds, moving average) get every core.
 LONG_DECODE_STEP_S = 0.030

@@ -10,8 +10,10 @@ from server_launcher import ServerHandle
 
 
 @pytest.fixture(scope="session")
-def server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir) as handle:
+def server(tiny_llama_dir, tmp_path_factory):
+    # Profiles asked for without an output_dir go to a test directory, not /tmp.
+    profiles = tmp_path_factory.mktemp("profiles")
+    with ServerHandle(tiny_llama_dir, env={"TANDEM_TORCH_PROFILER_DIR": str(profiles)}) as handle:
         yield handle
 
 

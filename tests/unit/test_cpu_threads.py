@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.model_executor.forward_batch import ForwardMode
+from tandem.forward_batch import ForwardMode
 from tandem.utils.cpu_threads import LONG_DECODE_STEP_S, ComputeThreads
 
 

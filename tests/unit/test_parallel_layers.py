@@ -17,7 +17,7 @@ from tandem.layers.linear import (
 )
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, VocabShard
-from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ import torch
 
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tandem.forward_batch import ForwardBatch, ForwardMode
 
 H, KVH, D = 4, 2, 8
 

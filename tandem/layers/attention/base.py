@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

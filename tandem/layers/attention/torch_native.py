@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tandem.layers.attention.base import AttentionBackend
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.model_executor.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch
 
 
 class TorchNativeAttnBackend(AttentionBackend):
