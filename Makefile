@@ -53,3 +53,12 @@ BENCH_ARGS ?=
 bench-compare: install
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	$(PY) benchmarks/compare.py $(BENCH_ARGS)
+
+# The CUDA path on a GPU (benchmarks/gpu_check.sh says what it runs; docs/benchmarks.md).
+# `make wheelhouse` where there is network downloads the wheels it installs offline.
+.PHONY: wheelhouse gpu-check
+wheelhouse: install
+	$(PY) benchmarks/wheelhouse.py
+
+gpu-check:
+	bash benchmarks/gpu_check.sh

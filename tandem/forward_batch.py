@@ -49,17 +49,19 @@ class ForwardBatch:
 
     @classmethod
     def for_rows(cls, mode: ForwardMode, input_ids: list[int], prefix_lens: list[int], extend_lens: list[int],
-                 slots: list[list[int]]) -> "ForwardBatch":
-        """A CPU batch of requests in ReqToTokenPool rows 0..bs-1, where `slots[i][pos]` is
+                 slots: list[list[int]], device: str = "cpu") -> "ForwardBatch":
+        """A batch of requests in ReqToTokenPool rows 0..bs-1, where `slots[i][pos]` is
         the KV slot of request i's token `pos` (already written to its row): for tests and
         benchmarks that drive a ModelRunner without a scheduler."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         return cls(
-            forward_mode=mode, batch_size=len(seq_lens), input_ids=torch.tensor(input_ids),
-            positions=torch.tensor([p for pre, n in zip(prefix_lens, extend_lens) for p in range(pre, pre + n)]),
+            forward_mode=mode, batch_size=len(seq_lens), input_ids=torch.tensor(input_ids, device=device),
+            positions=torch.tensor([p for pre, n in zip(prefix_lens, extend_lens) for p in range(pre, pre + n)],
+                                   device=device),
             out_cache_loc=torch.tensor([s for pre, n, row in zip(prefix_lens, extend_lens, slots)
-                                        for s in row[pre:pre + n]]),
-            req_pool_indices=torch.arange(len(seq_lens)), seq_lens=torch.tensor(seq_lens),
+                                        for s in row[pre:pre + n]], device=device),
+            req_pool_indices=torch.arange(len(seq_lens), device=device),
+            seq_lens=torch.tensor(seq_lens, device=device),
             seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens)
 
     @property

@@ -22,6 +22,8 @@ from tandem.utils.ipc_dirs import make_ipc_dir
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
+ATTENTION_BACKENDS = ["torch_native", "triton"]  # tandem/layers/attention/registry.py
+LOAD_BALANCE_METHODS = ["round_robin", "shortest_queue"]
 
 
 @dataclass
@@ -52,6 +54,10 @@ class ServerArgs:
     max_request_body_bytes: int = 32 * 1024 * 1024
     chat_template: str | None = None
     linear_backend: str = "auto"
+    attention_backend: str | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
     enable_mixed_chunk: bool = False
     disable_overlap_schedule: bool = False
     watchdog_timeout: float = 300.0
@@ -60,17 +66,20 @@ class ServerArgs:
     enable_metrics: bool = False
     log_requests: bool = False
     log_requests_level: int = 2
+    constrained_json_disable_any_whitespace: bool = False
     # SGLang's flags kept for compatibility (tandem/sglang_flags.py says what each does).
     tp_size: int = 1
     dp_size: int = 1
     pp_size: int = 1
     ep_size: int = 1
     nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    load_balance_method: str = "round_robin"
     tokenizer_worker_num: int = 1
     load_format: str = "auto"
     page_size: int | None = None
     kv_cache_dtype: str = "auto"
-    attention_backend: str | None = None
     quantization: str | None = None
     lora_paths: list[str] | None = None
     enable_lora: bool = False
@@ -83,15 +92,12 @@ class ServerArgs:
     trust_remote_code: bool = False
     revision: str | None = None
     tokenizer_mode: str = "auto"
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: list[int] | None = None
     enable_torch_compile: bool = False
     torch_compile_max_bs: int | None = None
     disable_custom_all_reduce: bool = False
     enable_p2p_check: bool = False
     base_gpu_id: int = 0
-    grammar_backend: str | None = None
+    grammar_backend: str = "xgrammar"
     sampling_backend: str | None = None
     show_time_cost: bool = False
     decode_log_interval: int = 40
@@ -110,6 +116,8 @@ class ServerArgs:
             self.random_seed = random.randint(0, 1 << 30)
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = default_chunked_prefill_size(self.device)
+        if self.attention_backend is None:  # SGLang's default for the device
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch_native"
 
     def validate(self) -> None:
         """Raise ValueError for values that can never work, naming the flag; log each
@@ -130,6 +138,12 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size: must be positive, or -1 to disable")
         if self.linear_backend not in ("auto", "torch"):
             raise ValueError(f"--linear-backend: unknown backend {self.linear_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend: unknown backend {self.attention_backend!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs: must be >= 1")
+        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs) < 1:
+            raise ValueError("--cuda-graph-bs: batch sizes must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
         for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests",
@@ -145,6 +159,21 @@ class ServerArgs:
             raise ValueError("--graceful-shutdown-timeout: must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port: must be in 1..65535")
+        self._validate_parallelism()
+
+    def _validate_parallelism(self) -> None:
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"--load-balance-method: unknown method {self.load_balance_method!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank: must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes == 1:
+            return
+        if self.dist_init_addr is None or ":" not in self.dist_init_addr:
+            raise ValueError("--dist-init-addr: HOST:PORT of node 0 is required with --nnodes > 1")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if self.dp_size > 1:
+            raise ValueError("--dp-size > 1 with --nnodes > 1 is not built (one TP group spans the nodes)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +237,18 @@ class ServerArgs:
         add("--linear-backend", default="auto", choices=["auto", "torch"],
             help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
                  "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")
+        add("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+            help="Attention kernels: triton (the default on CUDA) or torch_native (plain PyTorch, the "
+                 "default elsewhere).")
+        add("--disable-cuda-graph", action="store_true",
+            help="Run decode eagerly instead of replaying CUDA graphs (CUDA graphs need CUDA, "
+                 "--attention-backend triton and --tp-size 1; elsewhere decode is always eager).")
+        add("--cuda-graph-max-bs", type=int, default=None,
+            help="Largest decode batch run as a CUDA graph; larger batches run eagerly (default: "
+                 "--max-running-requests, at most 256).")
+        add("--cuda-graph-bs", type=int, nargs="+", default=None,
+            help="The batch sizes to capture (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs); "
+                 "a batch runs padded to the smallest captured size that holds it.")
         add("--enable-metrics", action="store_true",
             help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).")
         add("--log-requests", action="store_true",
@@ -215,6 +256,18 @@ class ServerArgs:
         add("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
             help="0: metadata only; 1: and sampling parameters; 2: and inputs/outputs cut to 2048 "
                  "characters or tokens; 3: everything, uncut.")
+        add("--constrained-json-disable-any-whitespace", action="store_true",
+            help="JSON schemas allow no free whitespace: the output is compact, one space after ',' "
+                 "and ':' (a model cannot loop on whitespace); default: any whitespace, as SGLang.")
+        add("--node-rank", type=int, default=0,
+            help="This node's rank among --nnodes (0 runs the HTTP server; the others run only their "
+                 "scheduler ranks).")
+        add("--dist-init-addr", "--nccl-init-addr", default=None,
+            help="HOST:PORT of node 0 where the ranks of every node meet (torch.distributed's TCP "
+                 "rendezvous); required with --nnodes > 1.")
+        add("--load-balance-method", default="round_robin", choices=LOAD_BALANCE_METHODS,
+            help="How the data-parallel controller (--dp-size > 1) picks the replica of each request: "
+                 "in turn, or the one with the fewest requests in flight.")
         add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod
@@ -266,6 +319,8 @@ class PortArgs:
     detokenizer_to_tokenizer: str = field(init=False)
     scheduler_to_tokenizer: str = field(init=False)
     ready: str = field(init=False)
+    # --dp-size > 1: replicas' control replies and finished requests to the controller.
+    scheduler_to_dp_controller: str = field(init=False)
 
     def __post_init__(self) -> None:
         base = f"ipc://{self.ipc_dir}"
@@ -274,6 +329,12 @@ class PortArgs:
         self.detokenizer_to_tokenizer = f"{base}/detokenizer_to_tokenizer"
         self.scheduler_to_tokenizer = f"{base}/scheduler_to_tokenizer"
         self.ready = f"{base}/ready"
+        self.scheduler_to_dp_controller = f"{base}/scheduler_to_dp_controller"
+
+    def dp_scheduler_input(self, dp_rank: int) -> str:
+        """The endpoint data-parallel replica `dp_rank`'s rank 0 binds (PULL) under
+        --dp-size > 1: what the controller dispatches to it."""
+        return f"ipc://{self.ipc_dir}/scheduler_input_dp{dp_rank}"
 
     def tokenizer_worker(self, worker_id: int) -> str:
         """The endpoint tokenizer worker `worker_id` binds (PULL) under --tokenizer-worker-num

@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tandem.function_call.function_call_parser import ToolCallParserEnum
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,12 +53,12 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag("tp_size", ("--tp-size", "--tp", "--tensor-parallel-size"),
                "the tensor-parallel size must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("dp_size", ("--dp-size", "--dp", "--data-parallel-size"),
-               "data parallelism is not built yet (only 1)", _is(1), parse=_INT),
+               "the data-parallel size must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("pp_size", ("--pp-size", "--pipeline-parallel-size"),
                "pipeline parallelism is not built yet (only 1)", _is(1), parse=_INT),
     CompatFlag("ep_size", ("--ep-size", "--expert-parallel-size"),
                "expert parallelism is not built yet (only 1)", _is(1), parse=_INT),
-    CompatFlag("nnodes", ("--nnodes",), "multi-node serving is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag("nnodes", ("--nnodes",), "the number of nodes must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("tokenizer_worker_num", ("--tokenizer-worker-num",),
                "the number of tokenizer workers must be at least 1", _at_least(1), parse=_INT),
     CompatFlag("load_format", ("--load-format",),
@@ -65,8 +67,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                _is(None, 1), parse=_INT),
     CompatFlag("kv_cache_dtype", ("--kv-cache-dtype",),
                "a KV cache dtype other than the model's is not built yet (only auto)", _is("auto")),
-    CompatFlag("attention_backend", ("--attention-backend",),
-               "only the torch_native attention backend is built", _is(None, "torch_native")),
     # Features Tandem does not have.
     CompatFlag("quantization", ("--quantization",), "quantization is not built yet", _OFF),
     CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
@@ -79,7 +79,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                parse=_FLAG),
     CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
     CompatFlag("reasoning_parser", ("--reasoning-parser",), "reasoning parsers are not built yet", _OFF),
-    CompatFlag("tool_call_parser", ("--tool-call-parser",), "tool-call parsers are not built yet", _OFF),
+    CompatFlag("tool_call_parser", ("--tool-call-parser",),
+               f"the tool-call parsers built are {', '.join(ToolCallParserEnum)}", _is(None, *ToolCallParserEnum)),
     # Accepted, with no effect in this build.
     CompatFlag("trust_remote_code", ("--trust-remote-code",),
                "Tandem runs no code from the model directory", _OFF, no_effect=True, parse=_FLAG),
@@ -87,12 +88,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                no_effect=True),
     CompatFlag("tokenizer_mode", ("--tokenizer-mode",), "the fast tokenizer is always used", _is("auto"),
                no_effect=True),
-    CompatFlag("disable_cuda_graph", ("--disable-cuda-graph",), "CUDA graphs are not built", _OFF,
-               no_effect=True, parse=_FLAG),
-    CompatFlag("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "CUDA graphs are not built", _OFF,
-               no_effect=True, parse=_INT),
-    CompatFlag("cuda_graph_bs", ("--cuda-graph-bs",), "CUDA graphs are not built", _OFF, no_effect=True,
-               parse={"type": int, "nargs": "+"}),
     CompatFlag("enable_torch_compile", ("--enable-torch-compile",), "torch.compile is not built", _OFF,
                no_effect=True, parse=_FLAG),
     CompatFlag("torch_compile_max_bs", ("--torch-compile-max-bs",), "torch.compile is not built", _OFF,
@@ -102,10 +97,10 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                parse=_FLAG),
     CompatFlag("enable_p2p_check", ("--enable-p2p-check",), "GPU peer access is left to NCCL",
                _OFF, no_effect=True, parse=_FLAG),
+    CompatFlag("grammar_backend", ("--grammar-backend",),
+               "only the xgrammar backend is built (or none: structured output refused)", _is("xgrammar", "none")),
     CompatFlag("base_gpu_id", ("--base-gpu-id",), "the first GPU id must be at least 0", _at_least(0),
                parse=_INT),
-    CompatFlag("grammar_backend", ("--grammar-backend",), "structured output is not built yet",
-               _is(None, "none"), no_effect=True),
     CompatFlag("sampling_backend", ("--sampling-backend",), "the sampler is plain PyTorch",
                _is(None, "pytorch"), no_effect=True),
     CompatFlag("show_time_cost", ("--show-time-cost",), "time-cost marks are not built", _OFF,

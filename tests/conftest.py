@@ -27,6 +27,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_b_dir(tmp_path_factory) -> Path:
+    """The tiny llama's architecture with other weights (another seed): weight updates."""
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     from tandem.tools.make_tiny_model import make_tiny_model
 

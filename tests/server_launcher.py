@@ -26,9 +26,10 @@ LIVE: set["ServerHandle"] = set()
 
 class ServerHandle:
     def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, new_session: bool = False):
+                 env: dict[str, str] | None = None, new_session: bool = False, wait_ready: bool = True):
         """`new_session`: start the server in its own process group (for tests that kill
-        the group)."""
+        the group). `wait_ready=False`: return once started, for a process that serves no
+        HTTP (a node other than node 0 of --nnodes)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -42,7 +43,8 @@ class ServerHandle:
         self.stop_seconds: float | None = None  # from the signal to the main process's exit
         LIVE.add(self)
         try:
-            self._wait_ready(timeout)
+            if wait_ready:
+                self._wait_ready(timeout)
         except BaseException:
             self.stop(check=False)
             raise

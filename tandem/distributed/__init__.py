@@ -3,16 +3,18 @@
 
 from tandem.distributed.communication_op import (
     tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_gather_object,
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_min,
 )
-from tandem.distributed.parallel_state import TpGroup, init_tp_group, rendezvous_method
+from tandem.distributed.parallel_state import TpGroup, init_tp_group, is_peer_failure
 
 __all__ = [
     "TpGroup",
     "init_tp_group",
-    "rendezvous_method",
+    "is_peer_failure",
     "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_gather_object",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_min",
 ]

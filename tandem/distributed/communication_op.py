@@ -3,6 +3,8 @@ TP group's world: NCCL on CUDA, gloo on CPU). Callers skip them when tp_size is 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -25,3 +27,10 @@ def tensor_model_parallel_min(value: int, device: str) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def tensor_model_parallel_all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

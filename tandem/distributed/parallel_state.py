@@ -10,21 +10,18 @@ two groups over the same ranks:
   and a group of its own keeps the scheduler's collectives from interleaving with the
   forward's when the two run on different threads (collectives on one group must be
   issued in the same order on every rank).
-On CUDA each rank uses device `--base-gpu-id + rank`.
+On CUDA each rank uses its own device (placement.py: `--base-gpu-id` + its local
+index). Where the ranks meet and which run on which node: placement.py.
 """
 
 from __future__ import annotations
 
-import os
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# Name of the rendezvous file inside the server's private ipc directory.
-RENDEZVOUS_FILE = "tp-rendezvous"
-
 
 @dataclass(frozen=True)
 class TpGroup:
@@ -49,21 +46,31 @@ class TpGroup:
         return box[0]
 
 
-def rendezvous_method(ipc_dir: str) -> str:
-    """`init_method` of a TP group whose ranks share this machine: a file in the
-    server's private 0700 ipc directory (no TCP port to pick, nothing to collide)."""
-    return f"file://{os.path.join(ipc_dir, RENDEZVOUS_FILE)}"
-
-
-def init_tp_group(tp_rank: int, tp_size: int, device: str, init_method: str, base_gpu_id: int = 0) -> TpGroup:
+def init_tp_group(tp_rank: int, tp_size: int, device: str, init_method: str, gpu_id: int = 0,
+                  timeout_s: float | None = None) -> TpGroup:
     """Join the TP group (blocks until every rank has joined) and select this rank's
-    device. With one rank no process group is made."""
+    device (`gpu_id` on CUDA). With one rank no process group is made.
+
+    `timeout_s` bounds the rendezvous and every collective (torch's default: 30 min): a
+    peer that died is noticed at once (its connections close), one that hangs or whose
+    network is gone after this long."""
     backend = "gloo"
     if device.startswith("cuda"):
-        torch.cuda.set_device(base_gpu_id + tp_rank)
+        torch.cuda.set_device(gpu_id)
         backend = "nccl"
     if tp_size == 1:
         return TpGroup()
-    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=tp_rank, timeout=timeout)
     # NOTE: a gloo group of its own even when the default group is gloo (see above).
-    return TpGroup(rank=tp_rank, size=tp_size, cpu_group=dist.new_group(backend="gloo"))
+    return TpGroup(rank=tp_rank, size=tp_size, cpu_group=dist.new_group(backend="gloo", timeout=timeout))
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another rank is gone: its process or
+    node died (the connection closed) or stopped answering (a timeout). gloo and NCCL
+    raise RuntimeError with these words; nothing finer is exposed."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        words in text for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                    "Timed out", "timed out", "NCCL communicator was aborted"))

@@ -22,9 +22,18 @@ import threading
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
 
+import torch
+
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
-from tandem.managers.io_struct import GenerateReqInput, GetWeightsByNameReqInput, UpdateWeightFromDiskReqInput
+from tandem.managers.io_struct import (
+    GenerateReqInput,
+    GetWeightsByNameReqInput,
+    HostTensor,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsReq,
+)
 from tandem.managers.tokenizer_manager import TokenizerManager
 from tandem.server_args import ServerArgs
 from tandem.utils.process import configure_logging
@@ -40,6 +49,8 @@ class Engine:
             kwargs.setdefault("log_level", "warning")
             server_args = ServerArgs(model_path=model_path, **kwargs)
         server_args.validate()
+        if server_args.node_rank > 0:
+            raise ValueError("node_rank: the offline Engine runs on node 0 (start other nodes with launch_server)")
         if server_args.tokenizer_worker_num > 1:
             raise ValueError("tokenizer_worker_num: the offline Engine has one tokenizer manager (only 1)")
         self.server_args = server_args
@@ -104,9 +115,29 @@ class Engine:
                                  ) -> tuple[bool, str]:
         """Load new weights of the same architecture from `model_path` (SGLang's
         Engine.update_weights_from_disk); returns (success, message)."""
-        req = UpdateWeightFromDiskReqInput(request_id="", model_path=model_path, load_format=load_format,
-                                           abort_all_requests=abort_all_requests, weight_version=weight_version)
-        out = self._call(self.tokenizer_manager.update_weights_from_disk(req))
+        return self._update_weights(UpdateWeightFromDiskReqInput(
+            request_id="", model_path=model_path, load_format=load_format,
+            abort_all_requests=abort_all_requests, weight_version=weight_version))
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
+                                   load_format: str | None = None, flush_cache: bool = True,
+                                   abort_all_requests: bool = False, weight_version: str | None = None
+                                   ) -> tuple[bool, str]:
+        """Replace the named checkpoint tensors (whole tensors, checkpoint names, e.g.
+        `model.layers.0.mlp.up_proj.weight`) without a restart (SGLang's
+        Engine.update_weights_from_tensor); the other weights keep their values. The
+        tensors travel pickled to the scheduler (copied through host memory), which
+        pauses admission, rebuilds the model with them on every TP rank (each takes its
+        shard) and swaps it in only if every rank succeeded; `flush_cache=False` keeps
+        the prefix cache (for a series of partial updates). Send a whole model in one
+        call: each call rebuilds every layer. Returns (success, message)."""
+        tensors = [(name, HostTensor.of(tensor)) for name, tensor in named_tensors]
+        return self._update_weights(UpdateWeightsFromTensorReqInput(
+            request_id="", named_tensors=tensors, load_format=load_format, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests, weight_version=weight_version))
+
+    def _update_weights(self, req: UpdateWeightsReq) -> tuple[bool, str]:
+        out = self._call(self.tokenizer_manager.update_weights(req))
         return out.success, out.message
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:

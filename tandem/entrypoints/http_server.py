@@ -33,6 +33,7 @@ from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnec
 from tandem.entrypoints.health import EngineHealth, GenerationProbe
 from tandem.entrypoints.shutdown import DRAINING_MESSAGE, WORKER_DRAIN_SIGNAL, DrainGate, DrainingServer
 from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, merge_streams, refusal
+from tandem.entrypoints.follower_node import run_follower_node
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.entrypoints.tokenizer_workers import serve_with_workers
 from tandem.managers.io_struct import GenerateReqInput
@@ -207,6 +208,9 @@ def launch_server(server_args: ServerArgs) -> None:
     A child that crashes or dies takes the server down with exit code 1."""
     configure_logging(server_args.log_level, "main")
     server_args.validate()
+    if server_args.node_rank > 0:  # only this node's scheduler ranks: node 0 serves HTTP
+        run_follower_node(server_args)
+        return
     set_process_name("tandem::server")  # the command line stays as it was, for scripts
     procs: ServerProcesses = launch_subprocesses(server_args)
     if server_args.enable_metrics:  # before any TokenizerManager, in this process or a worker

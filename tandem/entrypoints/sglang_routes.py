@@ -39,7 +39,7 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
         "weight_version": "default",  # the route reports the scheduler's current one
         "load_format": server_args.load_format,
         "reasoning_parser": None,
-        "tool_call_parser": None,
+        "tool_call_parser": server_args.tool_call_parser,
         "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,
@@ -48,11 +48,11 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
     }
 
 
-def _loads(state, max_running_requests: int) -> dict[str, Any]:
-    """One /v1/loads entry (SGLang's core keys and queue section) from the scheduler's counts."""
+def _loads(state, max_running_requests: int, dp_rank: int) -> dict[str, Any]:
+    """One /v1/loads entry (SGLang's core keys and queue section) from a scheduler's counts."""
     used = state.max_total_num_tokens - state.free_kv_slots - state.evictable_cached_slots
     return {
-        "dp_rank": 0,
+        "dp_rank": dp_rank,
         "num_running_reqs": state.num_running_reqs,
         "num_waiting_reqs": state.num_waiting_reqs,
         "num_used_tokens": used,
@@ -143,7 +143,8 @@ def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
             "version": tandem.__version__,
             "accelerator": None,
             "num_accelerators": 1,
-            "loads": [_loads(state, tm.scheduler_info["max_running_requests"])],
+            "loads": [_loads(s, tm.scheduler_info["max_running_requests"], k)
+                      for k, s in enumerate(state.dp_rank_states or [state])],
         })
 
     @app.api_route("/start_profile", methods=["GET", "POST"])

@@ -1,5 +1,7 @@
-"""Starts a server's subprocesses (one scheduler per tensor-parallel rank, the
-detokenizer) and waits for their readiness.
+"""Starts a server's subprocesses (one scheduler per tensor-parallel rank of each
+data-parallel replica, the data-parallel controller when there are replicas, the
+detokenizer) and waits for their readiness. On a node other than node 0 (`--node-rank`
+> 0) only that node's scheduler ranks (distributed/placement.py).
 
 Shared by the HTTP server and the offline Engine: both own a `ServerProcesses` and
 call `shutdown()` to end every child. A child that dies unexpectedly is noticed by a
@@ -12,8 +14,10 @@ drains first), so `shutdown()` ends them with SIGKILL: they hold nothing to flus
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import threading
@@ -23,6 +27,8 @@ from typing import Any, Callable
 
 import zmq
 
+from tandem.distributed.placement import local_scheduler_ranks
+from tandem.managers.data_parallel_controller import PROCESS_NAME as DP_CONTROLLER, run_data_parallel_controller_process
 from tandem.managers.detokenizer_manager import run_detokenizer_process
 from tandem.entrypoints.health import EngineHealth
 from tandem.managers.forward_watchdog import new_forward_stamp
@@ -69,6 +75,12 @@ class ServerProcesses:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        live = [p for p in self.procs if p.pid is not None and p.is_alive()]
+        # NOTE: frozen first, so that no TP rank sees a peer die and reports a crash
+        # (SIGQUIT, which ends an offline Engine's caller) before its own SIGKILL lands.
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGSTOP)
         for p in self.procs:
             if p.pid is not None:
                 kill_process_tree(p.pid, sig=signal.SIGKILL)
@@ -90,8 +102,10 @@ class ServerProcesses:
 
 
 def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
-    """Spawn the scheduler ranks (`scheduler_TP{k}`, k < --tp-size) and the detokenizer,
-    wait until all report ready. Rank 0's readiness carries the resolved capacities.
+    """Spawn this node's scheduler ranks (`scheduler_TP{k}`, k < --tp-size, or
+    `scheduler_DP{d}_TP{k}` for each replica d < --dp-size) and, on node 0, the
+    data-parallel controller (--dp-size > 1) and the detokenizer; wait until all report
+    ready. The first rank's readiness carries the resolved capacities (node 0).
 
     Raises RuntimeError (after cleaning up) when one fails to start. First removes the
     ipc directories of servers that were killed before they could remove their own.
@@ -102,11 +116,16 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     ready_sock = zmq_io.make_socket(ctx, zmq.PULL, port_args.ready, bind=True)
     mp_ctx = mp.get_context("spawn")
     forward_stamp = new_forward_stamp(mp_ctx)
+    ranks = local_scheduler_ranks(server_args)
     procs = [mp_ctx.Process(target=run_scheduler_process,
-                            args=(server_args, port_args, rank, forward_stamp if rank == 0 else None),
-                            name=f"scheduler_TP{rank}")
-             for rank in range(server_args.tp_size)]
-    if not server_args.skip_tokenizer_init:  # without a tokenizer, no detokenization runs
+                            args=(server_args, port_args, rank, forward_stamp if rank.is_first else None),
+                            name=rank.name)
+             for rank in ranks]
+    if server_args.node_rank == 0 and server_args.dp_size > 1:
+        procs.append(mp_ctx.Process(target=run_data_parallel_controller_process, args=(server_args, port_args),
+                                    name=DP_CONTROLLER))
+    # Without a tokenizer no detokenization runs; other nodes run only scheduler ranks.
+    if server_args.node_rank == 0 and not server_args.skip_tokenizer_init:
         procs.append(mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"))
     handle = ServerProcesses(port_args=port_args, procs=procs, scheduler_info={}, forward_stamp=forward_stamp)
     try:
@@ -120,7 +139,7 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
                 if not msg.ok:
                     raise RuntimeError(f"{msg.process} failed to start: {msg.error}")
                 waiting.discard(msg.process)
-                if msg.process == "scheduler_TP0":
+                if msg.process == ranks[0].name and ranks[0].is_first:
                     handle.scheduler_info = msg.info
                 continue
             dead = [p.name for p in procs if not p.is_alive()]

@@ -51,7 +51,7 @@ def add_weight_routes(app: FastAPI, tm) -> None:
                 raise ValueError("model_path: required")
         except (ValueError, InvalidBody) as e:
             return error_response(str(e), 400)
-        out = await tm.update_weights_from_disk(req)
+        out = await tm.update_weights(req)
         content = {"success": out.success, "message": out.message, "num_paused_requests": out.num_paused_requests}
         return json_response(content, 200 if out.success else 400)
 

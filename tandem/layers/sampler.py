@@ -1,9 +1,11 @@
 """Turns logits into next tokens: greedy, or temperature / top-k / top-p / min-p sampling.
 
 Sampling uses the exponential-race form of categorical sampling (argmax of p / E with
-E ~ Exp(1)), which lets each request draw its noise from its own generator. A request
-with `sampling_seed` gets a generator seeded from (seed, number of tokens generated so
-far), so its tokens do not depend on what else shares the batch. Penalties
+E ~ Exp(1)), computed for the whole batch at once, with no loop over rows. The noise of
+requests without a seed comes from the sampler's generator. A request with
+`sampling_seed` takes its noise from a counter-based hash of (seed, number of tokens
+generated so far, token id) computed as tensor operations, so its tokens do not depend
+on what else shares the batch, nor on the device. Penalties
 (`tandem.sampling.penalties`) adjust a copy of the logits first; the caller's logits
 (from which logprobs are reported) are never modified.
 """
@@ -25,8 +27,9 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor  # [bs] (vocab size where disabled)
     min_ps: torch.Tensor  # [bs]
     is_greedy: list[bool]
-    seeds: list[int | None]
-    output_lens: list[int]  # tokens generated so far, mixed into seeded generators
+    seeds: torch.Tensor  # [bs, 2] int64: low and high 32 bits of each sampling_seed (0 without one)
+    has_seed: torch.Tensor  # [bs] bool
+    output_lens: torch.Tensor  # [bs] int64 tokens generated so far, mixed into seeded noise
     penalties: PenaltyBatch | None = None
 
     @classmethod
@@ -38,8 +41,10 @@ class SamplingBatchInfo:
             top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64, device=device),
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             is_greedy=[p.is_greedy for p in params],
-            seeds=[p.sampling_seed for p in params],
-            output_lens=list(output_lens),
+            seeds=torch.tensor([[(p.sampling_seed or 0) & _MASK32, ((p.sampling_seed or 0) >> 32) & _MASK32]
+                                for p in params], dtype=torch.int64, device=device).view(-1, 2),
+            has_seed=torch.tensor([p.sampling_seed is not None for p in params], dtype=torch.bool, device=device),
+            output_lens=torch.tensor(output_lens, dtype=torch.int64, device=device),
             penalties=penalties,
         )
 
@@ -63,19 +68,42 @@ class Sampler:
             return greedy_ids
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         probs = _filter_probs(probs, info.top_ks, info.top_ps, info.min_ps)
-        noise = torch.empty_like(probs)
-        for i, seed in enumerate(info.seeds):
-            if info.is_greedy[i]:
-                noise[i].fill_(1.0)
-            elif seed is None:
-                noise[i].exponential_(generator=self.generator)
-            else:
-                g = torch.Generator(device=probs.device)
-                g.manual_seed((seed * 1_000_003 + info.output_lens[i]) % (2**63))
-                noise[i].exponential_(generator=g)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.where(info.has_seed.unsqueeze(1),
+                            seeded_exponential(info.seeds, info.output_lens, probs.shape[-1]), noise)
         sampled = torch.argmax(probs / noise, dim=-1)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 32-bit values in int64, without overflowing int64."""
+    low = (x & 0xFFFF) * c
+    high = ((x >> 16) * c) & 0xFFFF
+    return (low + (high << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [bs, vocab] that is a pure function of (seed, output_len, token id):
+    a counter-based hash turned into a uniform in (0, 1) with 24 bits, then -log."""
+    key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(output_lens & _MASK32)))
+    counter = _mul32(torch.arange(vocab_size, device=seeds.device), _GOLDEN32)
+    bits = _mix32(_mix32((key.unsqueeze(1) + counter) & _MASK32) ^ key.unsqueeze(1))
+    uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24
+    return -torch.log(uniform)
 
 
 def _filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,

@@ -8,8 +8,8 @@ from tandem.managers.schedule_batch import Req
 
 
 class FinishChecker:
-    """Stop conditions in the order SGLang applies them: length, then stop token ids and
-    EOS, then stop strings (found by decoding only the tail of the output, with one id
+    """Stop conditions in the order SGLang applies them: length, then the end of the
+    request's grammar, then stop token ids and EOS, then stop strings (found by decoding only the tail of the output, with one id
     before it as context)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int]):
@@ -21,6 +21,8 @@ class FinishChecker:
         last = req.output_ids[-1]
         if len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": sp.max_new_tokens}
+        if req.grammar is not None and req.grammar.is_terminated():  # its stop token was accepted
+            return {"type": "stop", "matched": last}
         if last in sp.stop_token_ids:
             return {"type": "stop", "matched": last}
         if not sp.ignore_eos and last in self.eos_token_ids:

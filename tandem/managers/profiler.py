@@ -3,7 +3,8 @@
 `SchedulerProfiler.handle(ProfileReq)` starts or stops one `torch.profiler.profile`
 around the scheduler loop; `step()` (called after every forward step) stops it after
 `num_steps` steps when the start asked for that. The trace is written on stop as
-`{output_dir}/{profile_prefix-}{profile_id}-TP-0.trace.json.gz`, SGLang's file name,
+`{output_dir}/{profile_prefix-}{profile_id}-TP-0.trace.json.gz` (`-TP-0-DP-{k}` for
+replica k under --dp-size > 1), SGLang's file name,
 and opens in Perfetto or chrome://tracing.
 """
 
@@ -24,8 +25,9 @@ _ACTIVITIES = {"CPU": torch.profiler.ProfilerActivity.CPU, "GPU": torch.profiler
 
 
 class SchedulerProfiler:
-    def __init__(self, tp_rank: int = 0):
-        self.tp_rank = tp_rank
+    def __init__(self, tp_rank: int = 0, dp_rank: int | None = None):
+        # SGLang's file name suffix: `-TP-{tp}`, and `-DP-{dp}` for a data-parallel replica.
+        self.rank_suffix = f"-TP-{tp_rank}" + (f"-DP-{dp_rank}" if dp_rank is not None else "")
         self.profiler: torch.profiler.profile | None = None
         self.trace_path: str | None = None
         self.steps_left: int | None = None
@@ -58,7 +60,7 @@ class SchedulerProfiler:
         except OSError as e:
             return ProfileReqOutput(req.request_id, False, f"output_dir: cannot create {output_dir!r}: {e}")
         prefix = f"{req.profile_prefix}-" if req.profile_prefix else ""
-        self.trace_path = os.path.join(output_dir, f"{prefix}{req.profile_id}-TP-{self.tp_rank}.trace.json.gz")
+        self.trace_path = os.path.join(output_dir, f"{prefix}{req.profile_id}{self.rank_suffix}.trace.json.gz")
         self.steps_left = req.num_steps if req.num_steps and req.num_steps > 0 else None
         self.profiler = torch.profiler.profile(activities=activities, with_stack=req.with_stack is not False,
                                                record_shapes=bool(req.record_shapes))

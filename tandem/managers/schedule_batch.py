@@ -71,6 +71,9 @@ class Req:
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     # Token ids masked until min_new_tokens are generated: its stop token ids and EOS.
     min_tokens_banned: list[int] = field(default_factory=list)
+    # Constrained decoding: the matcher of its grammar (tandem/constrained), set when the
+    # grammar has compiled; it has accepted every processed output token.
+    grammar: Any = None
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
@@ -225,3 +228,5 @@ class ModelWorkerBatch:
     return_logprob: list[bool]
     top_logprobs_nums: list[int]
     token_ids_logprob: list[list[int] | None]
+    # Constrained requests' allowed tokens (tandem/constrained/vocab_mask.py); None: none.
+    vocab_mask: Any = None

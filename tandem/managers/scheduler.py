@@ -30,7 +30,11 @@ from typing import Any, Callable
 
 import zmq
 
-from tandem.distributed import init_tp_group, rendezvous_method
+from tandem.constrained.grammar_queue import GrammarQueue
+from tandem.constrained.vocab_mask import VocabMask
+from tandem.constrained.xgrammar_backend import XGrammarBackend
+from tandem.distributed import init_tp_group, is_peer_failure
+from tandem.distributed.placement import SchedulerRank, describe_other_nodes, gpu_id, init_method
 from tandem.managers.finish_check import FinishChecker
 from tandem.managers.forward_executor import ForwardExecutor, ForwardThread
 from tandem.managers.forward_watchdog import ForwardWatchdog
@@ -49,6 +53,8 @@ from tandem.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsReq,
     error_finish_reason,
 )
 from tandem.managers.profiler import SchedulerProfiler
@@ -71,8 +77,10 @@ from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# How long an idle scheduler blocks waiting for input, in milliseconds.
+# How long an idle scheduler blocks waiting for input, in milliseconds; and while a
+# grammar compiles (nothing else to run).
 IDLE_POLL_MS = 1000
+GRAMMAR_POLL_MS = 2
 
 
 @dataclass
@@ -83,10 +91,15 @@ class LaunchedBatch:
     mwb: ModelWorkerBatch
     future: "Future[GenerationBatchResult]"
 
+    def grammars(self) -> list:
+        """Each request's grammar for the vocab mask (None: unconstrained, or finished
+        while this batch was in flight: its token is dropped)."""
+        return [None if r.finished() else r.grammar for r in self.batch.reqs]
+
 
 class Scheduler:
     def __init__(self, server_args: ServerArgs, io: SchedulerIOBase, worker: TpModelWorker | None = None,
-                 tp_rank: int = 0, forward_stamp: Any = None):
+                 tp_rank: int = 0, forward_stamp: Any = None, dp_rank: int | None = None):
         """`io` receives and sends every message; `worker` runs the forwards (built from
         `server_args` when not given: tests inject their own)."""
         self.server_args = server_args
@@ -102,6 +115,13 @@ class Scheduler:
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
         self.finish_checker = FinishChecker(
             self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
+        # Constrained decoding: requests wait in the grammar queue until their grammar compiled.
+        self.grammar_backend = None
+        if server_args.grammar_backend == "xgrammar" and self.tokenizer is not None:
+            self.grammar_backend = XGrammarBackend(
+                self.tokenizer, self.vocab_size, sorted(self.finish_checker.eos_token_ids),
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace)
+        self.grammar_queue = GrammarQueue(self.grammar_backend, blocking=server_args.tp_size > 1)
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(runner.token_to_kv_pool)
@@ -111,21 +131,23 @@ class Scheduler:
         self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.enable_overlap = not server_args.disable_overlap_schedule
         executor_cls = ForwardThread if self.enable_overlap else ForwardExecutor
-        self.executor = executor_cls(self.worker, ranks=server_args.tp_size)
+        # The scheduler processes sharing this machine's cores (every replica's ranks on this node).
+        self.executor = executor_cls(self.worker, ranks=server_args.dp_size * server_args.tp_size // server_args.nnodes)
         # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
-        self.profiler = SchedulerProfiler(tp_rank)
+        self.profiler = SchedulerProfiler(tp_rank, dp_rank)
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         # The request whose prompt is being prefilled chunk by chunk (not yet running).
         self.chunked_req: Req | None = None
         self.last_batch_was_chunk = False
+        self.num_finished_reqs = 0
         # Overlap loop: the launched batch whose result is not processed yet.
         self.inflight: LaunchedBatch | None = None
         # A weight update waiting for the running requests to finish; admission is paused
         # meanwhile (`update_weights_when_idle`).
-        self.pending_weight_update: UpdateWeightFromDiskReqInput | None = None
+        self.pending_weight_update: UpdateWeightsReq | None = None
         self.weight_version = "default"
         self.num_weight_updates = 0
         # Control calls: message type -> handler returning the reply (None: it replies later).
@@ -134,6 +156,7 @@ class Scheduler:
             FlushCacheReq: lambda msg: self.flush_cache(msg.request_id),
             ProfileReq: self.profiler.handle,
             UpdateWeightFromDiskReqInput: self.handle_update_weights,
+            UpdateWeightsFromTensorReqInput: self.handle_update_weights,
             GetWeightsByNameReqInput: self.get_weights_by_name,
         }
 
@@ -155,7 +178,7 @@ class Scheduler:
             self.update_weights_when_idle()
             if not self.step():
                 self.executor.stats.mark_idle()
-                self.io.wait(IDLE_POLL_MS)
+                self.io.wait(GRAMMAR_POLL_MS if len(self.grammar_queue) else IDLE_POLL_MS)
 
     def step(self) -> bool:
         """One step of the selected loop after its input; False when there was no work."""
@@ -179,9 +202,13 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         previous, self.inflight = self.inflight, None
         if batch is not None:
-            self.inflight = self.launch(batch)
+            # Delayed sampling: with a result pending, the grammars have not seen its
+            # tokens yet; the mask is filled once it is processed, while `batch` computes.
+            self.inflight = self.launch(batch, fill_vocab_mask=previous is None)
         if previous is not None:
             self.process_launched(previous)
+            if self.inflight is not None:
+                self.fill_vocab_mask(self.inflight)
         return batch is not None or previous is not None
 
     # ---- input ---------------------------------------------------------------------
@@ -195,6 +222,17 @@ class Scheduler:
                 self.handle_input(msg)
             except Exception as e:  # noqa: BLE001 - the second wall
                 self._input_failed(msg, e)
+        self.move_ready_grammar_requests()
+
+    def move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose grammar
+        failed (or timed out) finish with a 400."""
+        if not len(self.grammar_queue):
+            return
+        ready, failed = self.grammar_queue.pop_ready()
+        self.waiting_queue.extend(ready)
+        if failed:
+            self.send_outputs(failed)
 
     def handle_input(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
@@ -224,7 +262,7 @@ class Scheduler:
                   logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
                   token_ids_logprob=msg.token_ids_logprob)
         limit = self.server_args.max_queued_requests
-        if limit is not None and len(self.waiting_queue) >= limit:
+        if limit is not None and len(self.waiting_queue) + len(self.grammar_queue) >= limit:
             req.finished_reason = {"type": "abort", "status_code": 503,
                                    "message": f"the server is busy: {limit} requests are already waiting"}
             self.send_outputs([req])
@@ -238,7 +276,14 @@ class Scheduler:
         if sp.min_new_tokens > 0:
             eos = set() if sp.ignore_eos else self.finish_checker.eos_token_ids
             req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
-        self.waiting_queue.append(req)
+        if sp.grammar_key() is None:
+            self.waiting_queue.append(req)
+        elif self.grammar_backend is None:  # the tokenizer manager refuses these first
+            req.finished_reason = {"type": "abort", "status_code": 400,
+                                   "message": "structured output is disabled on this server"}
+            self.send_outputs([req])
+        else:
+            self.grammar_queue.add(req)
 
     def active_reqs(self) -> list[Req]:
         """Unfinished requests that hold or are computing KV: running, chunked, and the
@@ -258,10 +303,11 @@ class Scheduler:
             evictable_cached_slots=self.tree_cache.evictable_size(),
             protected_cached_slots=self.tree_cache.protected_size(),
             num_running_reqs=len(self.active_reqs()),
-            num_waiting_reqs=len(self.waiting_queue),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_queue),
             free_req_rows=self.kv.req_to_token_pool.available_size(),
             forward_idle_fraction=self.executor.stats.idle_fraction(),
             weight_version=self.weight_version,
+            num_finished_reqs=self.num_finished_reqs,
         )
 
     def flush_cache(self, request_id: str) -> FlushCacheOutput:
@@ -278,7 +324,7 @@ class Scheduler:
             return GetWeightsByNameReqOutput(msg.request_id, None, str(e))
         return GetWeightsByNameReqOutput(msg.request_id, values)
 
-    def handle_update_weights(self, msg: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput | None:
+    def handle_update_weights(self, msg: UpdateWeightsReq) -> UpdateWeightFromDiskReqOutput | None:
         """Pause admission (optionally aborting every request); the update runs, and is
         answered, once nothing runs (`update_weights_when_idle`)."""
         if self.pending_weight_update is not None:
@@ -290,15 +336,22 @@ class Scheduler:
         return None
 
     def update_weights_when_idle(self) -> None:
-        """Run the pending weight update once no request runs: load, flush the prefix
-        cache (its KV came from the old weights), set the version, resume admission."""
+        """Run the pending weight update once no request runs: load (every TP rank, or
+        none), flush the prefix cache (its KV came from the old weights), set the version,
+        resume admission."""
         msg = self.pending_weight_update
         if msg is None or self.active_reqs():
             return
         self.sync_inflight()  # an extra step of a finished request may still write its KV
-        success, message = self.worker.model_runner.update_weights_from_disk(msg.model_path, msg.load_format)
-        if success:
+        runner = self.worker.model_runner
+        if isinstance(msg, UpdateWeightsFromTensorReqInput):
+            success, message = runner.update_weights_from_tensor([(name, t.to_tensor()) for name, t in msg.named_tensors],
+                                                                msg.load_format)
+        else:
+            success, message = runner.update_weights_from_disk(msg.model_path, msg.load_format)
+        if success and msg.flush_cache:
             self.tree_cache.reset()
+        if success:
             self.num_weight_updates += 1
             self.weight_version = msg.weight_version or str(self.num_weight_updates)
         self.pending_weight_update = None
@@ -310,7 +363,7 @@ class Scheduler:
         def match(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
 
-        aborted = [r for r in self.waiting_queue if match(r)]
+        aborted = [r for r in self.waiting_queue if match(r)] + self.grammar_queue.remove(match)
         self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
         for req in aborted:
             req.finished_reason = {"type": "abort", "message": msg.message}
@@ -402,12 +455,28 @@ class Scheduler:
         logger.info("retracted request %s (%d outputs) under memory pressure", victim.rid, len(victim.output_ids))
 
     # ---- running -------------------------------------------------------------------
-    def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
-        """Snapshot `batch` (advancing its requests' lengths) and start its forward."""
+    def launch(self, batch: ScheduleBatch, fill_vocab_mask: bool = True) -> LaunchedBatch:
+        """Snapshot `batch` (advancing its requests' lengths) and start its forward. A batch
+        with constrained requests carries a vocab mask, filled now unless `fill_vocab_mask`
+        is False (then `fill_vocab_mask` later: the worker's sampling waits for it)."""
         mwb = batch.launch(self.vocab_size, self.device)
-        return LaunchedBatch(batch, mwb, self.executor.launch(mwb))
+        launched = LaunchedBatch(batch, mwb, None)
+        if any(r.grammar is not None for r in batch.reqs):
+            mwb.vocab_mask = VocabMask(len(batch.reqs), self.grammar_backend.vocab_size)
+            if fill_vocab_mask:
+                self.fill_vocab_mask(launched)
+        launched.future = self.executor.launch(mwb)
+        return launched
+
+    def fill_vocab_mask(self, launched: LaunchedBatch) -> None:
+        """Fill `launched`'s vocab mask from its requests' grammars, once (every result
+        before it must have been processed: the grammars have seen every token)."""
+        mask = launched.mwb.vocab_mask
+        if mask is not None and not mask.is_ready():
+            self.grammar_backend.fill_vocab_mask(mask, launched.grammars())
 
     def wait_result(self, launched: LaunchedBatch) -> HostBatchResult:
+        self.fill_vocab_mask(launched)  # never wait on a sampler that waits for its mask
         with self.watchdog.watching(launched.batch):
             launched.future.result()
         return self.host_result(launched)
@@ -474,6 +543,8 @@ class Scheduler:
             self.kv.release(req)
             return
         req.output_ids.append(token_id)
+        if req.grammar is not None:
+            req.grammar.accept_token(token_id)
         if req.return_logprob:
             self._record_output_logprobs(req, result, i, token_id)
         if req.to_abort is not None:
@@ -518,26 +589,30 @@ class Scheduler:
         out = build_batch_output(reqs, self.server_args.stream_interval, self.weight_version,
                                  lambda req, e: self._abort_on_error(req, "building its output", e))
         if out is not None:
+            self.num_finished_reqs += sum(o.finished_reason is not None for o in out.outputs)
             self.io.send_output(out)
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int = 0,
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank: SchedulerRank = SchedulerRank(0),
                           forward_stamp: Any = None) -> None:
-    """Entry of the scheduler subprocess: set up, report readiness, then loop until the
-    parent ends it (SIGKILL). A crash or a forward past --watchdog-timeout brings the
-    server down (`report_scheduler_failure`)."""
+    """Entry of the scheduler subprocess of `rank`: set up, report readiness, then loop
+    until the parent ends it (SIGKILL). A crash, a forward past --watchdog-timeout, or a
+    collective that fails because another rank (or node) is gone brings the server down
+    (`report_scheduler_failure`)."""
+    name = rank.name
     set_parent_death_signal()
-    set_process_title(f"tandem::scheduler_TP{tp_rank}")
-    configure_logging(server_args.log_level, f"scheduler TP{tp_rank}")
+    set_process_title(f"tandem::{name}")
+    configure_logging(server_args.log_level, name.replace("_", " "))
     faulthandler.register(signal.SIGUSR1)
     ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
-    name = f"scheduler_TP{tp_rank}"
     try:
-        tp = init_tp_group(tp_rank, server_args.tp_size, server_args.device,
-                           rendezvous_method(port_args.ipc_dir), server_args.base_gpu_id)
-        io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp)
-        scheduler = Scheduler(server_args, io, tp_rank=tp_rank, forward_stamp=forward_stamp)
+        tp = init_tp_group(rank.tp_rank, server_args.tp_size, server_args.device,
+                           init_method(server_args, port_args.ipc_dir, rank.dp_rank), gpu_id(server_args, rank),
+                           timeout_s=server_args.watchdog_timeout)
+        io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp, rank.dp_rank)
+        scheduler = Scheduler(server_args, io, tp_rank=rank.tp_rank, forward_stamp=forward_stamp,
+                              dp_rank=rank.dp_rank)
     except Exception as e:  # report the start-up failure, then exit
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
@@ -546,7 +621,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     scheduler.watchdog.start(on_timeout=report_scheduler_failure)
     try:
         scheduler.event_loop()
-    except Exception:
-        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+    except Exception as e:
+        if tp.size > 1 and is_peer_failure(e):
+            others = describe_other_nodes(server_args)
+            logger.error("%s: a collective of the TP group failed: another rank%s died or stopped answering "
+                         "(%s); shutting down", name, f" ({others})" if others else "", e)
+        else:
+            logger.error("scheduler crashed:\n%s", traceback.format_exc())
         report_scheduler_failure()
         sys.exit(1)

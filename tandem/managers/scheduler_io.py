@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import zmq
 
 from tandem.distributed import TpGroup
+from tandem.managers.io_struct import DpFinishedReqs, DpReplicaReply
 from tandem.server_args import PortArgs
 from tandem.utils import zmq_io
 
@@ -38,16 +39,28 @@ class SchedulerIOBase(Protocol):
 
 
 class SchedulerIO:
-    """The ZeroMQ sockets of scheduler rank 0 (see docs/architecture.md for the endpoints)."""
+    """The ZeroMQ sockets of scheduler rank 0 (see docs/architecture.md for the endpoints).
 
-    def __init__(self, port_args: PortArgs, skip_tokenizer_init: bool):
+    Under --dp-size > 1 (`dp_rank` given) rank 0 of replica `dp_rank` receives what the
+    data-parallel controller dispatches to it, and sends the controller its control
+    replies (`DpReplicaReply`, answered once for all replicas) and the ids of the
+    requests each step finished (`DpFinishedReqs`: the controller's load count); its
+    outputs go to the detokenizer (or tokenizer manager) as with one replica."""
+
+    def __init__(self, port_args: PortArgs, skip_tokenizer_init: bool, dp_rank: int | None = None):
         self._ctx = zmq.Context(2)
-        self._recv = zmq_io.make_socket(self._ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
+        self.dp_rank = dp_rank
+        recv_endpoint = port_args.tokenizer_to_scheduler if dp_rank is None else port_args.dp_scheduler_input(dp_rank)
+        self._recv = zmq_io.make_socket(self._ctx, zmq.PULL, recv_endpoint, bind=True)
         self._to_tokenizer = zmq_io.make_socket(self._ctx, zmq.PUSH, port_args.scheduler_to_tokenizer, bind=False)
         self._to_detokenizer = None
         if not skip_tokenizer_init:
             self._to_detokenizer = zmq_io.make_socket(
                 self._ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False)
+        self._to_controller = None
+        if dp_rank is not None:
+            self._to_controller = zmq_io.make_socket(
+                self._ctx, zmq.PUSH, port_args.scheduler_to_dp_controller, bind=False)
         self._poller = zmq.Poller()
         self._poller.register(self._recv, zmq.POLLIN)
 
@@ -59,9 +72,16 @@ class SchedulerIO:
 
     def send_output(self, out: Any) -> None:
         zmq_io.send(self._to_detokenizer if self._to_detokenizer is not None else self._to_tokenizer, out)
+        if self._to_controller is not None:
+            finished = [o.rid for o in out.outputs if o.finished_reason is not None]
+            if finished:
+                zmq_io.send(self._to_controller, DpFinishedReqs(self.dp_rank, finished))
 
     def send_reply(self, msg: Any) -> None:
-        zmq_io.send(self._to_tokenizer, msg)
+        if self._to_controller is not None:
+            zmq_io.send(self._to_controller, DpReplicaReply(self.dp_rank, msg))
+        else:
+            zmq_io.send(self._to_tokenizer, msg)
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
@@ -99,9 +119,10 @@ class TpSchedulerIO:
             self.sockets.close()
 
 
-def make_scheduler_io(port_args: PortArgs, skip_tokenizer_init: bool, tp: TpGroup) -> SchedulerIOBase:
+def make_scheduler_io(port_args: PortArgs, skip_tokenizer_init: bool, tp: TpGroup,
+                      dp_rank: int | None = None) -> SchedulerIOBase:
     """The sockets alone with one rank; with several, each rank's `TpSchedulerIO`
-    (only rank 0 opens sockets)."""
+    (only rank 0 opens sockets). `dp_rank`: the replica, under --dp-size > 1."""
     if tp.size == 1:
-        return SchedulerIO(port_args, skip_tokenizer_init)
-    return TpSchedulerIO(tp, SchedulerIO(port_args, skip_tokenizer_init) if tp.is_first_rank else None)
+        return SchedulerIO(port_args, skip_tokenizer_init, dp_rank)
+    return TpSchedulerIO(tp, SchedulerIO(port_args, skip_tokenizer_init, dp_rank) if tp.is_first_rank else None)

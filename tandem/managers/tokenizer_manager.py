@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 import tandem
+from tandem.constrained.grammar_key import verify_grammar
 from tandem.managers.io_struct import (
     AbortLabelReq,
     AbortReq,
@@ -49,8 +50,8 @@ from tandem.managers.io_struct import (
     ReqOutput,
     ServerStateOutput,
     TokenizedGenerateReqInput,
-    UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsReq,
     error_finish_reason,
 )
 from tandem.managers.multi_tokenizer import rid_prefix
@@ -66,6 +67,11 @@ logger = logging.getLogger(__name__)
 
 LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 _INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def _live_counts(state: ServerStateOutput) -> dict[str, Any]:
+    """A scheduler's live counts as /server_info shows them."""
+    return {k: v for k, v in dataclasses.asdict(state).items() if k not in ("request_id", "dp_rank_states")}
 
 
 class SchedulerTimeout(asyncio.TimeoutError):
@@ -290,6 +296,9 @@ class TokenizerManager:
         params = SamplingParams.from_dict(obj.sampling_params)
         params.verify(self.vocab_size)
         params.normalize(self.vocab_size)
+        if params.grammar_key() is not None:
+            verify_grammar(params.grammar_key(), self.server_args.grammar_backend, self.tokenizer is not None,
+                           not self.server_args.constrained_json_disable_any_whitespace)
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop: stop strings need a tokenizer; this server runs with "
                              "--skip-tokenizer-init (use stop_token_ids)")
@@ -335,9 +344,12 @@ class TokenizerManager:
         """Resolved arguments (api_key hidden), capacities and the live scheduler counts."""
         state = await self.get_server_state()
         args = {k: v for k, v in self.server_args.to_dict().items() if k != "api_key"}
-        live = {k: v for k, v in dataclasses.asdict(state).items() if k != "request_id"}
-        # SGLang's keys: the live counts per data-parallel rank, and the version.
-        info = {**args, **self.scheduler_info, **live, "internal_states": [live], "version": tandem.__version__}
+        live = _live_counts(state)
+        # SGLang's keys: the live counts per data-parallel rank (one entry per replica under
+        # --dp-size > 1; the top-level counts are then their sums), and the version.
+        internal_states = [_live_counts(s) for s in state.dp_rank_states] if state.dp_rank_states else [live]
+        info = {**args, **self.scheduler_info, **live, "internal_states": internal_states,
+                "version": tandem.__version__}
         if self.worker_id is not None:  # which worker answered, and how many requests it has sent
             info.update(tokenizer_worker_id=self.worker_id, tokenizer_worker_num_requests=self.num_requests)
         return info
@@ -353,10 +365,10 @@ class TokenizerManager:
             req.profile_id = req.profile_id or str(time.time())
         return await self._control_call(req, timeout)
 
-    async def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput,
-                                       timeout: float = 600.0) -> UpdateWeightFromDiskReqOutput:
-        """Load new weights of the same architecture; the scheduler pauses admission and
-        swaps them in once the running requests have finished (or were aborted)."""
+    async def update_weights(self, req: UpdateWeightsReq, timeout: float = 600.0) -> UpdateWeightFromDiskReqOutput:
+        """Load new weights of the same architecture (from disk or from tensors); the
+        scheduler pauses admission and swaps them in once the running requests have
+        finished (or were aborted)."""
         req.request_id = self._new_rid()
         return await self._control_call(req, timeout)
 

@@ -114,6 +114,8 @@ class TpModelWorker:
     def sample(self, logits: torch.Tensor, mwb: ModelWorkerBatch) -> torch.Tensor:
         """Next ids [bs] from `logits`; they are also stored for the next forward's inputs."""
         info = mwb.sampling_info
+        if mwb.vocab_mask is not None:  # a masked copy: logprobs stay those of `logits`
+            logits = mwb.vocab_mask.apply(logits)
         if info.penalties is not None:
             info = dataclasses.replace(info, penalties=info.penalties.resolved(self.future_map.resolve))
         next_ids = self.model_runner.sample(logits, info)

@@ -12,16 +12,20 @@ can hold, so that every rank admits the same requests.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import psutil
 import torch
 
-from tandem.distributed import tensor_model_parallel_min
-from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+from tandem.distributed import tensor_model_parallel_all_gather_object, tensor_model_parallel_min
+from tandem.layers.attention.registry import create_attention_backend
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.forward_batch import ForwardBatch
+from tandem.layers.weight_shard import CheckpointTensor, read_whole
+from tandem.model_executor.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner, capture_batch_sizes
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
 from tandem.models.llama import ModelContext
 from tandem.models.registry import resolve_model_class
@@ -48,6 +52,43 @@ def check_same_shapes(served, new) -> None:
                              f"model's ({getattr(served, key, None)})")
 
 
+def shape_of(tensor: CheckpointTensor) -> list[int]:
+    """The shape of a tensor or a safetensors slice (without reading it)."""
+    return list(tensor.shape) if isinstance(tensor, torch.Tensor) else list(tensor.get_shape())
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where the served weights come from: a checkpoint directory (`path`; None: dummy
+    weights), overlaid by the whole tensors that `update_weights_from_tensor` sent since,
+    which replace the checkpoint's tensors of the same name. Kept so that a partial
+    update can rebuild the model (packed linear layers keep no row-major weight to
+    update in place) and `get_weights_by_name` can answer; the overlay costs the sent
+    tensors' size in host memory."""
+
+    path: str | None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def iterate(self, show_progress: bool = False) -> Iterator[tuple[str, CheckpointTensor]]:
+        """Every checkpoint tensor (lazily read), then the overlay; nothing for dummy weights."""
+        if self.path is not None:
+            yield from ((name, t) for name, t in iterate_weights(self.path, show_progress=show_progress)
+                        if name not in self.tensors)
+        yield from self.tensors.items()
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`; ValueError when there is none."""
+        if name in self.tensors:
+            return self.tensors[name]
+        if self.path is None:
+            raise ValueError(f"no weight named {name!r}: the served weights are dummy weights "
+                             "(--load-format dummy) and none can be read")
+        for tensor_name, tensor in iterate_weights(self.path, show_progress=False):
+            if tensor_name == name:
+                return read_whole(tensor)
+        raise ValueError(f"no weight named {name!r} in {self.path!r}")
+
+
 def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -71,21 +112,24 @@ class ModelRunner:
         self._load_model(tp_rank, tp_size)
         self.context_len = server_args.context_length or self.config.max_position_embeddings
         self._init_memory_pools()
-        self.attn_backend = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool)
+        self.attn_backend = create_attention_backend(
+            server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
+            self.model.model.layers[0].self_attn.num_heads, self.head_dim)
         self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
+        self.cuda_graph_runner = self._init_cuda_graphs()
         self.sampler = Sampler(server_args.random_seed, self.device)
 
     def _load_model(self, tp_rank: int, tp_size: int) -> None:
-        self.model = self._build_model(self.server_args.model_path, self.server_args.load_format)
-        # The checkpoint the served weights came from (None: dummy weights).
-        self.weights_path: str | None = None if self.server_args.load_format == "dummy" else self.server_args.model_path
+        args = self.server_args
+        self.weight_source = WeightSource(None if args.load_format == "dummy" else args.model_path)
+        self.model = self._build_model(self.weight_source, show_progress=tp_rank == 0)
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_layers = self.config.num_hidden_layers
 
-    def _build_model(self, model_path: str, load_format: str) -> torch.nn.Module:
-        """A new model of `self.config`'s shapes with the weights of `model_path`, prepared
-        for serving (packed linear kernels); used at start-up and by weight updates."""
+    def _build_model(self, source: WeightSource, show_progress: bool = False) -> torch.nn.Module:
+        """A new model of `self.config`'s shapes with `source`'s weights, prepared for
+        serving (packed linear kernels); used at start-up and by weight updates."""
         cls = resolve_model_class(self.config)
         # NOTE: built under a default dtype rather than cast afterwards, so buffers that
         # must stay float32 (the RoPE tables) keep their precision.
@@ -96,39 +140,68 @@ class ModelRunner:
                 model = cls(self.config, tp_rank=self.tp_rank, tp_size=self.tp_size)
         finally:
             torch.set_default_dtype(previous)
-        if load_format == "dummy":
+        if source.path is None:
             initialize_dummy_weights(model, self.server_args.random_seed)
-        else:
-            model.load_weights(iterate_weights(model_path, show_progress=self.tp_rank == 0))
+        model.load_weights(source.iterate(show_progress), require_all=source.path is not None)
         model.process_weights_after_loading(self.server_args.linear_backend)
         return model.eval()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
-        """Load `model_path`'s weights into new tensors and swap them in on success; on any
-        failure (no such model, another architecture, a missing or misshapen tensor) the
-        old weights keep serving. Returns (success, message) in SGLang's words."""
+        """Serve `model_path`'s weights (same architecture); see `_replace_weights`."""
         load_format = load_format or self.server_args.load_format
-        try:
+
+        def build() -> tuple[WeightSource, torch.nn.Module]:
             check_same_shapes(self.config, load_config(model_path))
-            model = self._build_model(model_path, load_format)
+            source = WeightSource(None if load_format == "dummy" else model_path)
+            return source, self._build_model(source)
+
+        return self._replace_weights(build, f"from {model_path}")
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
+                                   load_format: str | None = None) -> tuple[bool, str]:
+        """Replace the named checkpoint tensors (whole tensors: each rank takes its shard);
+        the others keep their values. See `_replace_weights`."""
+
+        def build() -> tuple[WeightSource, torch.nn.Module]:
+            if load_format not in (None, "direct"):
+                raise ValueError(f"load_format: {load_format!r} is not supported here (only None or 'direct')")
+            served = {name: shape_of(t) for name, t in self.weight_source.iterate()}
+            for name, tensor in named_tensors:
+                if name in served and list(tensor.shape) != served[name]:
+                    raise ValueError(f"{name}: shape {list(tensor.shape)} differs from the served weight's "
+                                     f"{served[name]}")
+            source = WeightSource(self.weight_source.path, {**self.weight_source.tensors, **dict(named_tensors)})
+            return source, self._build_model(source)
+
+        return self._replace_weights(build, "from tensors")
+
+    def _replace_weights(self, build, what: str) -> tuple[bool, str]:
+        """Build the new model beside the served one and swap it in only if every TP rank
+        built its shard; on any failure (no such model, another architecture, a missing
+        or misshapen tensor, on any rank) every rank keeps the old weights. Returns
+        (success, message) in SGLang's words; the message names a failing rank under TP."""
+        error, new = None, None
+        try:
+            new = build()
         except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay
-            logger.error("weight update from %s failed: %s", model_path, e)
-            return False, f"Failed to update weights: {type(e).__name__}: {e}. The old weights are kept."
-        self.model = model
-        self.weights_path = None if load_format == "dummy" else model_path
+            error = f"{type(e).__name__}: {e}"
+        if self.tp_size > 1:
+            errors = tensor_model_parallel_all_gather_object(error)
+            error = next((f"TP rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None), None)
+        if error is not None:
+            logger.error("weight update %s failed: %s", what, error)
+            return False, f"Failed to update weights: {error}. The old weights are kept."
+        self.weight_source, self.model = new
+        if self.cuda_graph_runner is not None:  # the graphs hold the old parameters
+            self.cuda_graph_runner.capture()
         return True, "Succeeded to update model weights."
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows (a 1-D tensor: values) of checkpoint tensor `name`
-        of the served weights, as float lists. Read from the checkpoint the weights were
-        loaded from (the packed linear kernels keep no row-major copy), whole, not this
-        rank's shard. Raises ValueError when there is no such tensor."""
-        if self.weights_path is None:
-            raise ValueError("the served weights are dummy weights (--load-format dummy); none can be read")
-        for tensor_name, tensor in iterate_weights(self.weights_path, show_progress=False):
-            if tensor_name == name:
-                return tensor[:truncate_size].to(torch.float32).tolist()
-        raise ValueError(f"no weight named {name!r} in {self.weights_path!r}")
+        of the served weights, as float lists: whole, not this rank's shard, read from
+        the served `WeightSource` (the packed linear kernels keep no row-major copy).
+        Raises ValueError when there is no such tensor."""
+        return self.weight_source.read(name)[:truncate_size].to(torch.float32).tolist()
 
     def _init_memory_pools(self) -> None:
         args = self.server_args
@@ -163,7 +236,23 @@ class ModelRunner:
 
     def forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """Next-token logits [bs, vocab] (float32), and prompt logprobs where asked."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, self.ctx)
+
+    def _init_cuda_graphs(self) -> CudaGraphRunner | None:
+        """Decode CUDA graphs where they can run: CUDA, a backend that supports them, one
+        rank, and not --disable-cuda-graph."""
+        args = self.server_args
+        if not self.device.startswith("cuda") or args.disable_cuda_graph:
+            return None
+        if not self.attn_backend.supports_cuda_graph or self.tp_size > 1:
+            logger.info("CUDA graphs off: they need --attention-backend triton and --tp-size 1")
+            return None
+        max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.max_running_requests)
+        return CudaGraphRunner(lambda fb: self.model(fb, self.ctx), self.attn_backend,
+                               capture_batch_sizes(max_bs, args.cuda_graph_bs), self.vocab_size, self.device)
 
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         return self.sampler(logits, info)

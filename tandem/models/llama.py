@@ -161,8 +161,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions, fb, ctx)
         return self.logits_processor(hidden, self.lm_head, fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        """Copy each checkpoint tensor's part that this rank owns into its parameter."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]], require_all: bool = True) -> None:
+        """Copy each checkpoint tensor's part that this rank owns into its parameter;
+        ValueError for an unknown name or, with `require_all`, a parameter left unloaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -188,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
                     param.data.copy_(read_whole(tensor))
                 loaded.add(name)
         missing = set(params) - loaded
-        if missing:
+        if missing and require_all:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
 
 

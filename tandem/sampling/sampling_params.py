@@ -7,6 +7,7 @@ names the offending field, which the HTTP layer turns into a 400. The penalties 
 
 from __future__ import annotations
 
+import json
 import math
 import reprlib
 from dataclasses import dataclass, field, fields
@@ -23,9 +24,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # SGLang sampling parameters of features Tandem does not have yet -> the feature, for the
 # 400 message. Their neutral value (null, empty, beam_width 1) is accepted and ignored.
 UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType({
-    "json_schema": "structured output",
-    "regex": "structured output",
-    "ebnf": "structured output",
     "structural_tag": "structured output",
     "choice": "structured output (choice)",
     "stop_regex": "stopping on a regular expression",
@@ -35,6 +33,8 @@ UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType({
     "watermark": "watermarking",
     "stream_interval": "a per-request stream interval (use --stream-interval)",
 })
+# Constrained decoding (tandem/constrained): at most one of these per request.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # Neutral values besides null and empty ones.
 _NEUTRAL_SAMPLING_VALUES = MappingProxyType({"beam_width": 1})
 
@@ -65,6 +65,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    # Structured output: a JSON schema (a JSON string), a regular expression or an EBNF
+    # grammar the output must match (tandem/constrained).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
@@ -83,8 +88,11 @@ class SamplingParams:
         for name, feature in UNSUPPORTED_SAMPLING_PARAMS.items():
             if not is_neutral(data.pop(name, None), _NEUTRAL_SAMPLING_VALUES.get(name)):
                 raise ValueError(f"sampling_params.{name}: {feature} is not supported yet")
-        # JSON null means "default".
-        data = {k: v for k, v in data.items() if v is not None or k == "sampling_seed"}
+        # JSON null means "default"; so does an empty grammar.
+        data = {k: v for k, v in data.items()
+                if (v is not None or k == "sampling_seed") and not (k in GRAMMAR_FIELDS and is_neutral(v))}
+        if isinstance(data.get("json_schema"), dict):  # a schema given as an object, not a string
+            data["json_schema"] = json.dumps(data["json_schema"])
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
         if isinstance(data.get("stop_token_ids"), int) and not isinstance(data.get("stop_token_ids"), bool):
@@ -92,6 +100,14 @@ class SamplingParams:
         params = cls(**data)
         params.verify()
         return params
+
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(field, value) of the grammar the output must match (a compile-cache key), or None."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -139,6 +155,13 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"sampling_params.repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
         _check_int("min_new_tokens", self.min_new_tokens, lo=0)
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in grammars:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"sampling_params.{name}: must be a string")
+        if len(grammars) > 1:
+            raise ValueError(f"sampling_params: only one of regex, json_schema, or ebnf can be set "
+                             f"(got {' and '.join(grammars)})")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"sampling_params.min_new_tokens: must be <= max_new_tokens ({self.max_new_tokens}), "
                              f"got {self.min_new_tokens}")

@@ -142,3 +142,43 @@ def test_engine_weight_calls(engine, tiny_llama_dir, tmp_path):
     assert engine.get_weights_by_name("model.norm.weight", truncate_size=5) == pytest.approx(expected)
     with pytest.raises(ValueError, match="no.such"):
         engine.get_weights_by_name("no.such")
+
+
+def test_update_weights_from_tensor(engine, tiny_llama_dir, tiny_llama_b_dir):
+    """Model B's tensors sent to the engine serving A: greedy outputs become B's (what an
+    engine started on B gives: transformers' on B), get_weights_by_name shows B; a
+    misshapen or unknown tensor changes nothing; a partial update keeps the rest. Ends
+    back on A for the module's other tests."""
+    import torch
+    from safetensors.torch import load_file
+
+    import hf_reference
+
+    prompt, n = [1, 17, 42, 99, 7, 23], 12
+    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    a = load_file(str(tiny_llama_dir / "model.safetensors"))
+    b = load_file(str(tiny_llama_b_dir / "model.safetensors"))
+    a_ids = hf_reference.greedy_ids(tiny_llama_dir, prompt, n, min_new_tokens=n)
+    b_ids = hf_reference.greedy_ids(tiny_llama_b_dir, prompt, n, min_new_tokens=n)
+    assert a_ids != b_ids
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == a_ids
+
+    ok, message = engine.update_weights_from_tensor(list(b.items()), weight_version="b")
+    assert ok, message
+    out = engine.generate(input_ids=prompt, sampling_params=params)
+    assert out["output_ids"] == b_ids and out["meta_info"]["weight_version"] == "b"
+    assert out["meta_info"]["cached_tokens"] == 0  # A's prefix KV was flushed
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(torch.tensor(engine.get_weights_by_name(name, 2)), b[name][:2])
+
+    for bad, words in (([(name, b[name][:-1])], "shape"), ([("model.no_such.weight", torch.zeros(3))], "no_such")):
+        ok, message = engine.update_weights_from_tensor(bad)
+        assert not ok and words in message and "kept" in message, message
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == b_ids
+
+    # A partial update: A's tensors but one; then the last one.
+    last = "lm_head.weight" if "lm_head.weight" in a else "model.norm.weight"
+    assert engine.update_weights_from_tensor([(k, v) for k, v in a.items() if k != last])[0]
+    assert torch.allclose(torch.tensor(engine.get_weights_by_name(last, 2)), b[last][:2])
+    assert engine.update_weights_from_tensor([(last, a[last])])[0]
+    assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == a_ids

@@ -157,12 +157,31 @@ def test_models_and_tokenize(server, client, tokenizer):
     assert r["text"] == PROMPT
 
 
+def test_tokenize_messages_gives_the_chat_prompt(server, client, tokenizer):
+    """SGLang's /tokenize with `messages`: the ids the chat route feeds the model (its
+    prompt_tokens), through the chat template; exactly one of prompt and messages."""
+    ids = _chat_ids(tokenizer)
+    for route in ("/tokenize", "/v1/tokenize"):
+        r = httpx.post(server.base_url + route, json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": CONTEXT}
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert chat.usage.prompt_tokens == len(ids)
+    for body in ({"prompt": PROMPT, "messages": MESSAGES}, {}):
+        r = httpx.post(server.base_url + "/tokenize", json=body)
+        assert r.status_code == 400 and "Exactly one of 'prompt' or 'messages' must be provided" in r.text, r.text
+    bad = httpx.post(server.base_url + "/tokenize", json={"messages": [{"role": "wizard", "content": "Hi"}]})
+    assert bad.status_code == 400, bad.text
+
+
 @pytest.mark.parametrize("kwargs,param,text", [
     ({"temperature": -1}, "temperature", "temperature"),
     ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role", "'role' must be one of"),
     ({"frequency_penalty": 3.0}, "frequency_penalty", "frequency_penalty"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
     ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens"),
+    # A feature Tandem lacks is refused by name, as on /generate, never silently ignored.
+    ({"extra_body": {"stop_regex": "and|or"}}, "stop_regex", "stop_regex"),
     # SGLang's wording, which clients and SGLang's tests match on.
     ({"max_tokens": 1000}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
     ({"messages": [{"role": "user", "content": "sea " * 300}]}, "messages",

@@ -4,6 +4,7 @@ weight version moves, the memory invariant holds; a bad update leaves model A se
 
 from __future__ import annotations
 
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import hf_reference
 from http_helpers import assert_memory_idle, generate, stream_events
@@ -23,8 +25,8 @@ EMBED = "model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")
-def model_b(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", arch="llama", seed=1)
+def model_b(tiny_llama_b_dir):
+    return tiny_llama_b_dir
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +120,43 @@ def wait_running(client, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def test_update_under_tensor_parallelism(tiny_llama_dir, model_b):
-    """With --tp-size 2 every rank loads its shard of model B; only rank 0 answers."""
-    with ServerHandle(tiny_llama_dir, extra_args=["--tp-size", "2", "--skip-server-warmup"]) as handle, \
-            httpx.Client(base_url=handle.base_url, timeout=120) as tp_client:
-        r = tp_client.post("/update_weights_from_disk", json={"model_path": str(model_b)})
-        assert r.status_code == 200, r.text
-        expected = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        assert greedy(tp_client)["output_ids"] == expected
-        assert_memory_idle(tp_client)
+def truncated_copy(model_dir, dest, name: str):
+    """`model_dir` with tensor `name` cut to its first half of rows: the config still
+    matches, and under --tp-size 2 rank 0 finds its rows while rank 1 finds none."""
+    shutil.copytree(model_dir, dest)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors[name] = tensors[name][: tensors[name].shape[0] // 2].clone()
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_updates_under_tensor_parallelism(tiny_llama_dir, model_b, tmp_path):
+    """With --tp-size 2 (the offline Engine: the same scheduler path as the routes) every
+    rank takes its shard of model B's tensors; an update that fails on rank 1 only
+    leaves every rank on the old weights and says which rank failed; only rank 0 answers."""
+    from tandem import Engine
+
+    def engine_greedy(engine) -> list[int]:
+        return engine.generate(input_ids=PROMPT, sampling_params={
+            "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})["output_ids"]
+
+    a_ids = hf_reference.greedy_ids(tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    b_ids = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    b_tensors = load_file(str(model_b / "model.safetensors"))
+    broken = truncated_copy(tiny_llama_dir, tmp_path / "broken", "model.layers.0.mlp.gate_proj.weight")
+    with Engine(model_path=str(tiny_llama_dir), tp_size=2) as engine:
+        assert engine_greedy(engine) == a_ids
+        ok, message = engine.update_weights_from_tensor(list(b_tensors.items()))
+        assert ok, message
+        assert engine_greedy(engine) == b_ids
+        assert torch.allclose(torch.tensor(engine.get_weights_by_name(EMBED, 2)), b_tensors[EMBED][:2])
+
+        ok, message = engine.update_weights_from_disk(str(broken))
+        assert not ok and "TP rank 1" in message and "kept" in message, message
+        assert engine_greedy(engine) == b_ids
+        assert engine.get_server_info()["weight_version"] == "1"
+
+        assert engine.update_weights_from_disk(str(tiny_llama_dir))[0]
+        assert engine_greedy(engine) == a_ids
+        info = engine.get_server_info()
+        assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"], info

@@ -4,6 +4,7 @@ tests drive the loop step by step and read every output it sent."""
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 from tandem.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
@@ -97,8 +98,10 @@ class SchedulerHarness:
         s = self.scheduler
         s.process_input_requests(s.recv_requests())
         busy = s.step()
+        if not busy and len(s.grammar_queue):
+            time.sleep(0.002)  # the loop's short wait while a grammar compiles
         self._collect()
-        return busy or bool(s.waiting_queue)
+        return busy or bool(s.waiting_queue) or bool(len(s.grammar_queue))
 
     def run_until_idle(self, max_steps: int = 10_000) -> dict[str, dict]:
         """Step until nothing runs; the finish reason of each request that finished meanwhile."""

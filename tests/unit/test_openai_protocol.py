@@ -94,8 +94,8 @@ def test_max_tokens_budget():
 
 @pytest.mark.parametrize("field,value,ok", [
     ("frequency_penalty", 0.5, True), ("presence_penalty", -1.0, True), ("repetition_penalty", 1.2, True),
-    ("logit_bias", {"5": 1.0}, False), ("logit_bias", {}, True), ("tools", [{"type": "function"}], False),
-    ("tools", [], True), ("response_format", {"type": "json_object"}, False),
+    ("logit_bias", {"5": 1.0}, False), ("logit_bias", {}, True), ("functions", [{"name": "f"}], False),
+    ("tools", [], True), ("response_format", {"type": "json_object"}, True),
     ("response_format", {"type": "text"}, True), ("tool_choice", "none", True),
 ])
 def test_unsupported_fields(field, value, ok):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.sampler import Sampler, SamplingBatchInfo, _filter_probs
+from tandem.layers.sampler import Sampler, SamplingBatchInfo, _filter_probs, seeded_exponential
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -47,3 +47,34 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert a[0] == b[0]
     draws = {Sampler(0, "cpu")(logits[:1], info([seeded], vocab=50, output_lens=[n])).item() for n in range(30)}
     assert len(draws) > 1, "the step index must vary the draw"
+
+
+def test_seeded_noise_is_exponential_and_keyed():
+    """The hashed noise has Exp(1)'s mean and spread, and differs by seed and by step."""
+    seeds = torch.tensor([[7, 0], [7, 0], [8, 0], [7, 1]])
+    noise = seeded_exponential(seeds, torch.tensor([0, 1, 0, 0]), 20000)
+    assert noise.min() > 0
+    assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.std().item() - 1.0) < 0.03
+    for i in range(1, 4):
+        assert not torch.equal(noise[0], noise[i])
+    assert torch.equal(noise[0], seeded_exponential(seeds[:1], torch.tensor([0]), 20000)[0])
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Draws of one seeded request over many steps follow its probabilities."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    p = SamplingParams(temperature=1.0, sampling_seed=123)
+    sampler = Sampler(0, "cpu")
+    draws = torch.tensor([sampler(logits, info([p], vocab=3, output_lens=[n])).item() for n in range(3000)])
+    freq = torch.bincount(draws, minlength=3).float() / 3000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03, rtol=0)
+
+
+def test_unseeded_rows_follow_the_sampler_generator():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=1.0)] * 4
+    a = [Sampler(5, "cpu")(logits, info(params, vocab=50)).tolist() for _ in range(2)]
+    s = Sampler(5, "cpu")
+    b = [s(logits, info(params, vocab=50)).tolist() for _ in range(2)]
+    assert a[0] == a[1] == b[0] and b[0] != b[1]

@@ -23,9 +23,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], H * D)
 
 
-def setup(seq_lens: list[int]):
+def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
-    kv = TokenToKVPool(200, 1, KVH, D, torch.float32, "cpu")
+    kv = TokenToKVPool(200, 1, KVH, D, dtype, "cpu")
     assert all(buf[0].eq(0).all() for buf in kv.k_buffer + kv.v_buffer), "slot 0 is the zeroed padding slot"
     for buf in kv.k_buffer + kv.v_buffer:
         buf[1:].fill_(float("nan"))  # slots no request owns must never be read
@@ -35,8 +35,8 @@ def setup(seq_lens: list[int]):
         row = rows.alloc()
         slots = kv.alloc(n)
         rows.write(row, 0, slots)
-        k, v = torch.randn(n, KVH, D), torch.randn(n, KVH, D)
-        kv.set_kv(0, slots, k, v)
+        k, v = torch.randn(n, KVH, D).to(dtype).float(), torch.randn(n, KVH, D).to(dtype).float()
+        kv.set_kv(0, slots, k.to(dtype), v.to(dtype))
         per_req.append((row, slots, k, v))
     return TorchNativeAttnBackend(rows, kv), per_req
 
@@ -56,15 +56,32 @@ def test_decode_matches_reference(seq_lens):
     backend, per_req = setup(seq_lens)
     q = torch.randn(len(seq_lens), H, D)
     fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
+    backend.init_forward_metadata(fb)
     out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
     expected = torch.cat([reference(q[i : i + 1], k, v, n - 1) for i, (n, (_, _, k, v)) in
                           enumerate(zip(seq_lens, per_req))])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Both decode paths agree with each other.
     fb2 = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
+    backend.init_forward_metadata(fb2)
     a = backend._decode_blocked(q.reshape(len(seq_lens), -1), 0, fb2, D ** -0.5, H, KVH, D)
     b = backend._decode_segmented(q.reshape(len(seq_lens), -1), 0, fb2, D ** -0.5, H, KVH, D)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq_lens", [[5, 9, 7], [3, 40, 2, 2]])
+def test_bfloat16_decode_matches_float32_reference(seq_lens):
+    """A bfloat16 pool: both decode paths return bfloat16 within its rounding of the float32
+    attention over the same (bfloat16) keys and values."""
+    backend, per_req = setup(seq_lens, torch.bfloat16)
+    q = torch.randn(len(seq_lens), H, D).to(torch.bfloat16)
+    fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
+    expected = torch.cat([reference(q[i : i + 1].float(), k, v, n - 1) for i, (n, (_, _, k, v)) in
+                          enumerate(zip(seq_lens, per_req))])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
 def test_extend_with_prefix_matches_reference():
@@ -72,6 +89,7 @@ def test_extend_with_prefix_matches_reference():
     backend, per_req = setup(seq_lens)
     q = torch.randn(sum(extend_lens), H, D)
     fb = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
+    backend.init_forward_metadata(fb)
     out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
     expected = torch.cat([reference(q[:6], per_req[0][2], per_req[0][3], 0),
                           reference(q[6:], per_req[1][2], per_req[1][3], 6)])

@@ -64,6 +64,13 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
             params[name] = value
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
+    grammars = req.grammar_fields()
+    if len(grammars) > 1:
+        names = list(grammars)
+        raise OpenAIError(f"Only one of {', '.join(names)} can be set: each constrains the output", 400,
+                          param=names[0])
+    for name, value in grammars.values():
+        params[name] = value
     return params
 
 

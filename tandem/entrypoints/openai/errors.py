@@ -80,6 +80,7 @@ _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 

@@ -2,19 +2,21 @@
 
 Request models accept OpenAI's fields (penalties included) plus SGLang's sampling extras
 (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`,
-`repetition_penalty`, `min_tokens`). Fields of features Tandem does not implement yet
-(`logit_bias`, tools, ...) are accepted only with their neutral value;
+`repetition_penalty`, `min_tokens`), and chat `tools` / `tool_choice`. Fields of features
+Tandem does not implement yet (`logit_bias`, `functions`, ...) are accepted only with their
+neutral value;
 `unsupported_fields()` names the others.
 Unknown fields are ignored, as most OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 from tandem.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_N
 
@@ -56,6 +58,10 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # SGLang/vLLM extra
     min_tokens: StrictInt | None = None  # vLLM/SGLang extra: SGLang's min_new_tokens
+    # SGLang extras: the output must match this regex / JSON schema (a JSON string) / EBNF.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
@@ -67,6 +73,11 @@ class _SamplingFields(BaseModel):
 
     def _neutral_values(self) -> dict[str, Any]:
         return {"logit_bias": lambda v: not v}
+
+    def grammar_fields(self) -> dict[str, tuple[str, str]]:
+        """Each field that constrains the output, as {field: (sampling param, value)}."""
+        return {name: (name, getattr(self, name)) for name in ("regex", "json_schema", "ebnf")
+                if getattr(self, name)}
 
 
 class ChatContentPart(BaseModel):
@@ -95,27 +106,88 @@ class ChatMessage(BaseModel):
         return role.lower()
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: `parameters` is a JSON schema of its arguments object."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    """`tool_choice` naming one function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer must match (OpenAI's shape)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+    def json_schema_string(self) -> str | None:
+        """The JSON schema this format asks for (None for text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+
+    def grammar_fields(self) -> dict[str, tuple[str, str]]:
+        fields = super().grammar_fields()
+        schema = self.response_format.json_schema_string() if self.response_format is not None else None
+        if schema is not None:
+            fields["response_format"] = ("json_schema", schema)
+        return fields
 
     def _neutral_values(self) -> dict[str, Any]:
         return {
             **super()._neutral_values(),
-            "tools": lambda v: not v,
-            "tool_choice": lambda v: v == "none",
             "functions": lambda v: not v,
             "function_call": lambda v: v == "none",
-            "response_format": lambda v: v.get("type") == "text",
         }
 
 
@@ -133,13 +205,20 @@ class CompletionRequest(_SamplingFields):
 
 class TokenizeRequest(BaseModel):
     """SGLang's /tokenize body: `prompt`, a string or a list of strings (`text` is Tandem's
-    older name for it)."""
+    older name for it), or chat `messages` (with `tools`), tokenized as the chat route
+    tokenizes them."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | list[str] | None = None
     text: str | list[str] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
+
+    def to_chat_request(self) -> "ChatCompletionRequest":
+        """The chat request whose prompt these `messages` are."""
+        return ChatCompletionRequest(model=self.model or "default", messages=self.messages, tools=self.tools)
 
 
 class DetokenizeRequest(BaseModel):
@@ -179,9 +258,42 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionResponse(BaseModel):
+    """A call's function: its name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call in `message.tool_calls`, as OpenAI sends it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionResponse
+
+
+class DeltaToolCall(ToolCall):
+    """One call in a streamed `delta.tool_calls`: `index` is its place in the message.
+    Tandem sends each call whole, in one delta."""
+
+    index: int
+
+
 class ChatMessageOut(BaseModel):
+    """The answer's message; `tool_calls` only when the model called tools (then
+    `content` is null unless there was text besides the calls)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer
+    def _drop_none(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -206,16 +318,20 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """A streamed message delta, as SGLang sends it: `role` and `content` only when set,
     `reasoning_content` always (null here: no reasoning parser), so that clients reading
-    `delta.reasoning_content` find it."""
+    `delta.reasoning_content` find it; `tool_calls` only when set."""
 
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, Any]:
         out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-        return {**out, "reasoning_content": self.reasoning_content}
+        out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return out
 
 
 class ChatStreamChoice(BaseModel):

@@ -72,7 +72,7 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        return json_response(await serving_models.tokenize(req, tm.text_encoder, tm.context_len))
+        return json_response(await serving_models.tokenize(req, tm.text_encoder, tm.context_len, chat))
 
     @app.post("/v1/detokenize")
     @app.post("/detokenize")

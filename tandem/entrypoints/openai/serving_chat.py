@@ -3,13 +3,17 @@
 response, or server-sent chunks ending with `data: [DONE]`).
 
 The pure pieces (`render_chat_prompt`, `build_chat_generate_input`,
-`build_chat_response`, `ChatStreamConverter`) are unit-tested without a server.
+`build_chat_response`, `ChatStreamConverter`) are unit-tested without a server. Tools:
+tool_calls.py decides what a request's `tools` and `tool_choice` do; a choice's output
+then goes through its detector (tandem/function_call), whole or piece by piece.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 import jinja2
@@ -26,6 +30,8 @@ from tandem.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatMessage, ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
 )
+from tandem.entrypoints.openai.tool_calls import ToolCallSetup, delta_tool_call_of, resolve_tools, tool_call_of
+from tandem.function_call.base_format_detector import BaseFormatDetector
 from tandem.managers.io_struct import GenerateReqInput
 from tandem.managers.text_encoder import TextEncoder
 
@@ -49,16 +55,33 @@ def message_to_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         content = "".join(parts)
     out = message.model_dump(exclude_none=True)
     out["content"] = content or ""
+    _arguments_as_objects(out)
     return out
 
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None) -> str:
-    """The prompt text: the messages through the model's (or `--chat-template`'s) template."""
+def _arguments_as_objects(message: dict[str, Any]) -> None:
+    """An assistant message's earlier calls carry their arguments as JSON strings (OpenAI's
+    form); chat templates expect objects (transformers' convention), as SGLang converts."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the string
+
+
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None,
+                       tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text: the messages through the model's (or `--chat-template`'s) template,
+    which gets `tools` as `apply_chat_template(tools=...)` passes them."""
     if tokenizer is None:
         raise OpenAIError("messages: this server runs without a tokenizer (--skip-tokenizer-init); "
                           "use /v1/completions with token ids", 400, param="messages")
     dicts = [message_to_dict(i, m) for i, m in enumerate(messages)]
-    kwargs = {"chat_template": chat_template} if chat_template else {}
+    kwargs: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+    if tools:
+        kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True, **kwargs)
     except jinja2.TemplateError as e:
@@ -116,18 +139,40 @@ def chat_logprobs(meta: dict[str, Any], tokenizer) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def tool_calls_finish(meta: dict[str, Any], called: bool) -> tuple[str | None, int | str | None]:
+    """finish_reason and matched_stop of a choice: "tool_calls" (and no matched stop) for a
+    choice that stopped after calling tools, as SGLang reports it."""
+    reason = finish_reason(meta)
+    if called and reason == "stop":
+        return "tool_calls", None
+    return reason, matched_stop(meta)
+
+
+def _message(text: str, detector: BaseFormatDetector | None) -> ChatMessageOut:
+    if detector is None:
+        return ChatMessageOut(content=text)
+    parsed = detector.detect_and_parse(text)
+    if not parsed.calls:
+        return ChatMessageOut(content=parsed.normal_text)
+    return ChatMessageOut(content=parsed.normal_text or None, tool_calls=[tool_call_of(c) for c in parsed.calls])
+
+
 def build_chat_response(req_id: str, model: str, outputs: list[dict[str, Any]], n: int,
-                        with_logprobs: bool, tokenizer=None, created: int | None = None) -> ChatCompletionResponse:
-    """The non-streamed response for the `n` final outputs of one prompt."""
+                        with_logprobs: bool, tokenizer=None, created: int | None = None,
+                        make_detector: Callable[[], BaseFormatDetector] | None = None) -> ChatCompletionResponse:
+    """The non-streamed response for the `n` final outputs of one prompt; with
+    `make_detector`, each output's tool calls become `message.tool_calls`."""
     choices = []
     for i, out in enumerate(outputs):
         meta = out.get("meta_info") or {}
+        message = _message(out.get("text") or "", make_detector() if make_detector else None)
+        reason, matched = tool_calls_finish(meta, bool(message.tool_calls))
         choices.append(ChatChoice(
             index=i,
-            message=ChatMessageOut(content=out.get("text") or ""),
+            message=message,
             logprobs=chat_logprobs(meta, tokenizer) if with_logprobs else None,
-            finish_reason=finish_reason(meta),
-            matched_stop=matched_stop(meta),
+            finish_reason=reason,
+            matched_stop=matched,
         ))
     usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
     return ChatCompletionResponse(id=req_id, model=model, choices=choices, usage=usage,
@@ -138,17 +183,22 @@ class ChatStreamConverter:
     """Turns the incremental chunks of `num_choices` streams into OpenAI chunk dicts.
 
     Per choice: a role chunk first, content chunks, exactly one chunk with a
-    finish_reason; then, with `include_usage`, a usage chunk with no choices.
+    finish_reason; then, with `include_usage`, a usage chunk with no choices. With
+    `make_detector`, each choice's text goes through its own detector: settled text goes
+    out as content, each call as one `tool_calls` delta once it is whole.
     """
 
     def __init__(self, req_id: str, model: str, num_choices: int, n: int, with_logprobs: bool,
-                 include_usage: bool, tokenizer=None, created: int | None = None):
+                 include_usage: bool, tokenizer=None, created: int | None = None,
+                 make_detector: Callable[[], BaseFormatDetector] | None = None):
         self.req_id, self.model, self.n = req_id, model, n
         self.num_choices = num_choices
         self.with_logprobs, self.include_usage, self.tokenizer = with_logprobs, include_usage, tokenizer
         self.created = created or int(time.time())
         self.metas: list[dict[str, Any]] = [{} for _ in range(num_choices)]
         self.finished = [False] * num_choices
+        self.detectors = [make_detector() for _ in range(num_choices)] if make_detector else None
+        self.called = [False] * num_choices
 
     def _chunk(self, choice: ChatStreamChoice | None, usage=None) -> dict[str, Any]:
         chunk = ChatCompletionChunk(id=self.req_id, created=self.created, model=self.model,
@@ -169,14 +219,25 @@ class ChatStreamConverter:
         chunks = []
         text = out.get("text") or ""
         logprobs = chat_logprobs(meta, self.tokenizer) if self.with_logprobs else None
+        done = finish_reason(meta) is not None
+        calls = []
+        if self.detectors is not None:
+            parsed = self.detectors[index].parse_streaming_increment(text)
+            if done:
+                parsed = parsed.merged(self.detectors[index].finish())
+            text, calls = parsed.normal_text, parsed.calls
         if text or (logprobs and logprobs.content):
             chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=text),
                                                        logprobs=logprobs)))
-        reason = finish_reason(meta)
-        if reason is not None:
+        for call in calls:
+            self.called[index] = True
+            chunks.append(self._chunk(ChatStreamChoice(
+                index=index, delta=DeltaMessage(tool_calls=[delta_tool_call_of(call)]))))
+        if done:
             self.finished[index] = True
+            reason, matched = tool_calls_finish(meta, self.called[index])
             chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason,
-                                                       matched_stop=matched_stop(meta))))
+                                                       matched_stop=matched)))
         return chunks
 
     def end(self) -> list[dict[str, Any]]:
@@ -195,33 +256,45 @@ class ChatServing:
     def __init__(self, tm, server_args, chat_template: str | None = None):
         self.tm, self.server_args, self.chat_template = tm, server_args, chat_template
 
-    async def prepare(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    async def prompt_ids(self, req: ChatCompletionRequest,
+                         max_tokens: int | None = None) -> tuple[list[int], ToolCallSetup]:
+        """The prompt's ids (the messages and tools through the chat template, tokenized;
+        /tokenize's `messages` too) and the request's tool setup; refused when longer
+        than `max_tokens`."""
+        tools = resolve_tools(req, self.server_args.tool_call_parser)
+        text = render_chat_prompt(self.tm.tokenizer, req.messages, self.chat_template, tools.template_tools)
+        return await encode_chat_prompt(self.tm.text_encoder, text, max_tokens), tools
+
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, ToolCallSetup]:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
         reject_unsupported(req)
         check_logprob_args(req)
-        tokenizer = self.tm.tokenizer
-        text = render_chat_prompt(tokenizer, req.messages, self.chat_template)
-        input_ids = await encode_chat_prompt(self.tm.text_encoder, text, self.tm.context_len - 1)
+        input_ids, tools = await self.prompt_ids(req, self.tm.context_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = resolve_max_tokens(requested, len(input_ids), self.tm.context_len, None, param, "messages")
-        return build_chat_generate_input(req, input_ids, max_new)
+        obj = build_chat_generate_input(req, input_ids, max_new)
+        tools.apply(obj)
+        return obj, tools
 
     async def handle(self, request: Request, req: ChatCompletionRequest) -> Response:
-        obj = await self.prepare(req)
+        obj, tools = await self.prepare(req)
         try:
             streams = await open_streams(self.tm, obj)
         except ValueError as e:
-            raise from_value_error(e, _PROMPT_FIELD) from e
+            # The tool constraint's schema is the request's `tools`.
+            raise from_value_error(e, {**_PROMPT_FIELD, "json_schema": "tools"} if tools.json_schema
+                                   else _PROMPT_FIELD) from e
         req_id, n = random_id("chatcmpl"), req.n or 1
         model = req.model  # any name is served, as in SGLang
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,
-                                   self.tm.tokenizer)
+                                   self.tm.tokenizer, make_detector=tools.make_detector)
         return await respond(
             request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
             lambda outputs: json_response(build_chat_response(
-                req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer).model_dump()))
+                req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer,
+                make_detector=tools.make_detector).model_dump()))
 
 
 async def _stream_body(conv: ChatStreamConverter, streams) -> AsyncIterator[bytes]:

@@ -29,11 +29,15 @@ def _require_tokenizer(encoder: TextEncoder | None, param: str) -> None:
         raise OpenAIError(f"{param}: this server runs without a tokenizer (--skip-tokenizer-init)", 400, param=param)
 
 
-async def tokenize(req: TokenizeRequest, encoder: TextEncoder | None, context_len: int) -> dict:
+async def tokenize(req: TokenizeRequest, encoder: TextEncoder | None, context_len: int, chat) -> dict:
     """SGLang's {"tokens", "count", "max_model_len"} for `prompt` (or Tandem's alias `text`):
-    one list and count for a string, a list of each for a list of strings."""
-    if (req.text is None) == (req.prompt is None):
-        raise OpenAIError("prompt: exactly one of prompt and text must be given", 400, param="prompt")
+    one list and count for a string, a list of each for a list of strings; for `messages`,
+    the ids `chat` (the ChatServing) would prompt the model with."""
+    if sum(f is not None for f in (req.prompt, req.text, req.messages)) != 1:
+        raise OpenAIError("Exactly one of 'prompt' or 'messages' must be provided.", 400, param="prompt")
+    if req.messages is not None:
+        ids, _ = await chat.prompt_ids(req.to_chat_request())
+        return {"tokens": ids, "count": len(ids), "max_model_len": context_len}
     _require_tokenizer(encoder, "prompt")
     field = "text" if req.text is not None else "prompt"
     prompt = req.text if req.text is not None else req.prompt

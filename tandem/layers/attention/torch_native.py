@@ -25,13 +25,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = token_to_kv_pool
+        self.forward_metadata: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
-        if forward_batch.forward_mode.is_decode():
-            return self._decode(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
-        return self._extend(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Decode: each request's KV table, shared by every layer (see `_kv_table`)."""
+        self.forward_metadata = self._kv_table(forward_batch) if forward_batch.forward_mode.is_decode() else None
 
-    def _decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         if self._padded_waste_ok(fb):
             return self._decode_blocked(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
         return self._decode_segmented(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
@@ -45,36 +45,36 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _decode_blocked(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         """Keys gathered as a [bs, max_len] block with a length mask, one SDPA call.
 
-        Only the key axis of attention is blocked; the model never computes padded tokens."""
+        Only the key axis of attention is blocked; the model never computes padded tokens.
+        The query heads sharing a KV head are SDPA's query axis ([bs, kv_heads, group, D]),
+        so each KV head is read once, and SDPA runs in float32 whatever the pool's dtype:
+        PyTorch's CPU flash kernel in bfloat16 is 5-10x slower on one-token queries than
+        upcasting (docs/benchmarks.md, "Where a decode step goes"), and less exact."""
         bs = fb.batch_size
-        table, valid = self._kv_table(fb)
+        table, valid = self.forward_metadata
         max_len = table.shape[1]
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
-        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).float()
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).float()
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.view(bs, num_heads, 1, head_dim), k, v,
-                                             attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling,
-                                             enable_gqa=num_heads != num_kv_heads)
-        return out.reshape(bs, num_heads * head_dim)
+        qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling)
+        return out.to(q.dtype).reshape(bs, num_heads * head_dim)
 
     def _kv_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[bs, max_len] KV slots of each request (slot 0 past its end) and the validity mask.
 
-        Computed once per forward and shared by every layer."""
-        cached = getattr(fb, "_kv_table", None)
-        if cached is None:
-            max_len = max(fb.seq_lens_cpu)
-            valid = torch.arange(max_len, device=fb.seq_lens.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
-            table = self.req_to_token[fb.req_pool_indices, :max_len].masked_fill(~valid, 0)
-            cached = fb._kv_table = (table, valid)
-        return cached
+        Computed once per forward by `init_forward_metadata`."""
+        max_len = max(fb.seq_lens_cpu)
+        valid = torch.arange(max_len, device=fb.seq_lens.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+        table = self.req_to_token[fb.req_pool_indices, :max_len].masked_fill(~valid, 0)
+        return table, valid
 
     def _decode_segmented(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         """Keys of all requests on one flat axis, softmax per request segment (no padding)."""
         bs, group = fb.batch_size, num_heads // num_kv_heads
-        table, valid = self._kv_table(fb)
+        table, valid = self.forward_metadata
         slots = table[valid]
         seg = torch.arange(bs, device=q.device).repeat_interleave(fb.seq_lens)
         k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, slots).float()  # [T, KVH, D]
@@ -90,7 +90,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             0, seg, weights.unsqueeze(-1) * v.unsqueeze(2))
         return (out / denom.unsqueeze(-1)).to(q.dtype).reshape(bs, num_heads * head_dim)
 
-    def _extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
         k_cache = self.kv_pool.k_buffer[layer_id]

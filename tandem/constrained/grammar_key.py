@@ -1,0 +1,50 @@
+"""What a request constrains its output to, and the check the TokenizerManager runs
+before sending it: a grammar that does not parse is a 400 naming the problem.
+
+A `GrammarKey` is `(kind, value)`: kind is one of GRAMMAR_KINDS (SGLang's sampling
+parameter names), value the string the client sent. The scheduler's compile cache is
+keyed by it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import xgrammar
+
+GrammarKey = tuple[str, str]
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# xgrammar prefixes its errors with a time and a C++ source location; clients need neither.
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def xgrammar_error(exc: Exception) -> str:
+    """The message of an xgrammar error without its C++ prefix, on one line."""
+    return " ".join(_NOISE.sub("", str(exc)).split())
+
+
+def parse_grammar(key: GrammarKey, any_whitespace: bool = True) -> xgrammar.Grammar:
+    """Parse (not compile) the grammar of `key`; ValueError naming the field and the problem."""
+    kind, value = key
+    try:
+        if kind == "json_schema":
+            return xgrammar.Grammar.from_json_schema(value, any_whitespace=any_whitespace)
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(value)
+        return xgrammar.Grammar.from_ebnf(value)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"sampling_params.{kind}: invalid {kind}: {xgrammar_error(e)}") from e
+
+
+def verify_grammar(key: GrammarKey, grammar_backend: str, has_tokenizer: bool, any_whitespace: bool) -> None:
+    """The TokenizerManager's check of a constrained request, before anything is sent:
+    ValueError (a 400) naming the field when this server cannot constrain it or the
+    grammar does not parse. The scheduler compiles it again against the vocabulary."""
+    kind = key[0]
+    if grammar_backend == "none":
+        raise ValueError(f"sampling_params.{kind}: structured output is disabled on this server "
+                         "(--grammar-backend none)")
+    if not has_tokenizer:
+        raise ValueError(f"sampling_params.{kind}: structured output needs the tokenizer; this server runs "
+                         "with --skip-tokenizer-init")
+    parse_grammar(key, any_whitespace)

@@ -1,0 +1,43 @@
+"""`--attention-backend`: SGLang's backend names mapped to Tandem's implementations
+(`ServerArgs` picks the default: triton on CUDA, torch_native elsewhere).
+
+The Triton backend is imported only when chosen, so that a machine without Triton runs
+the torch-native one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from tandem.layers.attention.base import AttentionBackend
+from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+def _torch_native(req_to_token_pool, token_to_kv_pool, num_heads, head_dim) -> AttentionBackend:
+    from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend(req_to_token_pool, token_to_kv_pool)
+
+
+def _triton(req_to_token_pool, token_to_kv_pool, num_heads, head_dim) -> AttentionBackend:
+    if req_to_token_pool.req_to_token.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention-backend triton: the kernels need CUDA, or on CPU Triton's interpreter "
+                         "(TRITON_INTERPRET=1, for tests)")
+    from tandem.layers.attention.triton_backend import TritonAttnBackend
+
+    return TritonAttnBackend(req_to_token_pool, token_to_kv_pool, num_heads, head_dim)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "torch_native": _torch_native,
+    "triton": _triton,
+}
+
+
+def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
+                             num_heads: int, head_dim: int) -> AttentionBackend:
+    """The backend `name` for this rank's `num_heads` query heads of `head_dim`."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend: unknown backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name](req_to_token_pool, token_to_kv_pool, num_heads, head_dim)

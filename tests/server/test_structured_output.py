@@ -1,0 +1,118 @@
+"""Structured output over HTTP on the random-weight tiny model (one server for the
+module, JSON without free whitespace): `/generate`'s `json_schema`/`regex`/`ebnf`, the
+`/v1/completions` and chat extras, chat `response_format`, and the 400s for an invalid
+grammar or more than one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from server_launcher import ServerHandle
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 2}},
+    "required": ["name", "age", "pets"], "additionalProperties": False}
+REGEX = r"(yes|no|maybe), [0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir):
+    with ServerHandle(tiny_llama_dir, ["--constrained-json-disable-any-whitespace"]) as server:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            yield c
+
+
+def generate(client, **sampling) -> httpx.Response:
+    return client.post("/generate", json={"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 100, **sampling}})
+
+
+def test_generate_json_schema_regex_ebnf(client):
+    r = generate(client, json_schema=json.dumps(SCHEMA), temperature=0)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["text"]), SCHEMA)
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    r = generate(client, regex=REGEX, temperature=1.0, sampling_seed=5, n=3)
+    assert r.status_code == 200, r.text
+    assert len(r.json()) == 3 and all(re.fullmatch(REGEX, out["text"]) for out in r.json())
+    r = generate(client, ebnf='root ::= "[" [0-9] "]"', temperature=1.0)
+    assert re.fullmatch(r"\[[0-9]\]", r.json()["text"]), r.text
+
+
+@pytest.mark.parametrize("sampling,message", [
+    ({"json_schema": '{"type": "objekt"}'}, 'sampling_params.json_schema: invalid json_schema: Unsupported type "objekt"'),
+    ({"json_schema": "{"}, "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
+    ({"regex": "(a"}, "sampling_params.regex: invalid regex: "),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params: only one of regex, json_schema, or ebnf can be set"),
+])
+def test_generate_bad_grammar_is_400(client, sampling, message):
+    r = generate(client, **sampling)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message), r.text
+
+
+def test_completions_extras_are_honoured(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 80, "temperature": 0,
+                                              "json_schema": json.dumps(SCHEMA)})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 80, "regex": REGEX,
+                                              "temperature": 1.0, "seed": 3, "n": 2, "stream": True})
+    assert r.status_code == 200, r.text
+    texts = ["", ""]
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                texts[choice["index"]] += choice["text"]
+    assert all(re.fullmatch(REGEX, t) for t in texts), texts
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "regex": "a", "json_schema": "{}"})
+    assert r.status_code == 400 and "Only one of regex, json_schema can be set" in r.text, r.text
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "regex": "[z-a]"})
+    assert r.status_code == 400 and r.json()["message"].startswith("regex: invalid regex: "), r.text
+
+
+def chat(client, **fields) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "Tell me about a person."}], "max_tokens": 100,
+        **fields})
+
+
+def test_chat_response_format(client):
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+             temperature=0)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+                            {"type": "json_object"}):
+        r = chat(client, response_format=response_format, stream=True, temperature=1.0, seed=1)
+        chunks = [json.loads(line[6:])["choices"] for line in r.text.splitlines() if line.startswith("data: {")]
+        content = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+        finish = [c[0]["finish_reason"] for c in chunks if c and c[0]["finish_reason"]]
+        if response_format["type"] == "json_schema":
+            assert finish == ["stop"], r.text
+            jsonschema.validate(json.loads(content), SCHEMA)
+        else:  # any object: a random model may not close its strings within max_tokens
+            assert content.startswith("{") and (finish == ["length"] or isinstance(json.loads(content), dict))
+    r = chat(client, ebnf='root ::= "ok" | "no"', temperature=1.0)
+    assert r.json()["choices"][0]["message"]["content"] in ("ok", "no"), r.text
+    r = chat(client, response_format={"type": "text"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "Only one of regex, response_format can be set"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+     "json_schema: invalid json_schema: "),
+])
+def test_chat_bad_response_format_is_400(client, fields, message):
+    r = chat(client, **fields)
+    assert r.status_code == 400 and message in r.text, r.text

@@ -1,0 +1,188 @@
+"""Constrained decoding (tandem/constrained) in-process: the grammar checks and compile
+cache, then a real Scheduler on the random-weight tiny model (scheduler_harness), where
+no output would match a grammar by chance. Every output of a fixed, varied set of JSON
+schemas and regexes fully matches, greedy and seeded-sampled, with the overlap loop and
+the normal loop giving the same tokens, under chunked prefill, mixed chunks, penalties,
+several samples of one grammar, retraction and without the radix cache."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from scheduler_harness import SchedulerHarness
+from test_overlap_schedule import assert_same, prompts, run
+from tandem.constrained.grammar_key import parse_grammar, verify_grammar
+from tandem.constrained.xgrammar_backend import XGrammarBackend
+from tandem.sampling.sampling_params import SamplingParams
+from tandem.utils.tokenizer import load_tokenizer
+
+SCHEMAS = [
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer",
+     "minimum": -5, "maximum": 500}}, "required": ["color", "n"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["name", "tags"], "additionalProperties": False},
+        "ok": {"type": "boolean"}}, "required": ["user", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
+     "code": {"type": "string", "pattern": "^[0-9]{3}-[a-f]{2}$"}, "empty": {"type": "null"}},
+     "required": ["x", "code", "empty"], "additionalProperties": False},
+    {"enum": ["yes", "no", 42, None]},
+]
+REGEXES = [r"(cat|dog|bird)s?", r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", r"\d{3}-\d{4}", r"(0|[1-9]\d{0,3})\.\d{1,2}",
+           r"[A-Z][a-z]{0,4}( [A-Z][a-z]{0,4}){1,2}"]
+EBNF = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [a-c] | "x" [0-9]'
+SERVER_ARGS = {"constrained_json_disable_any_whitespace": True}
+
+
+def constrained_workload() -> list[tuple[str, list[int], dict]]:
+    """(rid, prompt, fields): every schema and regex greedy and seeded-sampled, an EBNF,
+    three samples of one schema, penalties, logprobs."""
+    p = prompts(30, seed=5)
+    reqs = []
+    for i, schema in enumerate(SCHEMAS):
+        reqs.append((f"json-{i}", p[i], {"json_schema": json.dumps(schema)}))
+        reqs.append((f"json-{i}-sampled", p[i + 5], {"json_schema": json.dumps(schema), "temperature": 1.0,
+                                                     "sampling_seed": 11 + i}))
+    for i, regex in enumerate(REGEXES):
+        reqs.append((f"regex-{i}", p[10 + i], {"regex": regex}))
+        reqs.append((f"regex-{i}-sampled", p[15 + i], {"regex": regex, "temperature": 0.9, "top_k": 50,
+                                                       "sampling_seed": 3 + i}))
+    reqs.append(("ebnf", p[20], {"ebnf": EBNF, "temperature": 1.0, "sampling_seed": 1}))
+    reqs += [(f"n-{k}", p[21], {"json_schema": json.dumps(SCHEMAS[1]), "temperature": 1.0, "sampling_seed": 40 + k})
+             for k in range(3)]
+    reqs.append(("penalties", p[22], {"json_schema": json.dumps(SCHEMAS[2]), "temperature": 0.8,
+                                      "sampling_seed": 9, "frequency_penalty": 1.0, "presence_penalty": 0.5,
+                                      "repetition_penalty": 1.5}))
+    reqs.append(("logprobs", p[23], {"json_schema": json.dumps(SCHEMAS[0]), "logprobs": {
+        "return_logprob": True, "top_logprobs_num": 3}}))
+    reqs.append(("plain", p[24], {"max_new_tokens": 20}))
+    return [(rid, ids, {"max_new_tokens": 120, "ignore_eos": False, **fields}) for rid, ids, fields in reqs]
+
+
+def assert_all_match(h: SchedulerHarness, reqs) -> None:
+    """Every constrained request finished on its grammar's end and its text matches."""
+    tok = h.scheduler.tokenizer
+    for rid, _, fields in reqs:
+        text = tok.decode(h.collected.ids[rid], skip_special_tokens=True)
+        if "json_schema" in fields:
+            assert h.collected.finishes[rid]["type"] == "stop", (rid, text)
+            jsonschema.validate(json.loads(text), json.loads(fields["json_schema"]))
+        elif "regex" in fields:
+            assert h.collected.finishes[rid]["type"] == "stop", (rid, text)
+            assert re.fullmatch(fields["regex"], text), (rid, text)
+        elif "ebnf" in fields:
+            assert re.fullmatch(r"\((?:[a-c]|x\d)(?:,(?:[a-c]|x\d)){0,2}\)", text), text
+
+
+@pytest.mark.parametrize("server_args", [
+    {},
+    {"chunked_prefill_size": 8},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+    {"disable_radix_cache": True},
+    {"max_total_tokens": 120, "chunked_prefill_size": 16},  # retractions
+], ids=["default", "chunked", "mixed-chunk", "no-radix", "small-pool"])
+def test_outputs_match_their_grammar_in_both_loops(tiny_llama_dir, server_args):
+    reqs = constrained_workload()
+    normal = run(tiny_llama_dir, False, reqs, **SERVER_ARGS, **server_args)
+    overlap = run(tiny_llama_dir, True, reqs, **SERVER_ARGS, **server_args)
+    assert_all_match(normal, reqs)
+    assert_same(normal, overlap)
+    if "max_total_tokens" in server_args:
+        assert sum(normal.collected.retractions.values()) > 0, "the pool was not small enough to retract"
+
+
+def test_staggered_arrivals_match(tiny_llama_dir):
+    reqs = constrained_workload()[::3]
+    normal = run(tiny_llama_dir, False, reqs, stagger=2, **SERVER_ARGS)
+    assert_all_match(normal, reqs)
+    assert_same(normal, run(tiny_llama_dir, True, reqs, stagger=2, **SERVER_ARGS))
+
+
+def test_logprobs_are_of_the_raw_distribution(tiny_llama_dir):
+    """The first token of an object schema can only be '{': masked, its logprob would be 0."""
+    reqs = [r for r in constrained_workload() if r[0] == "logprobs"]
+    h = run(tiny_llama_dir, False, reqs, **SERVER_ARGS)
+    (token_logprobs, top_logprobs, _, _), *_ = h.collected.logprobs["logprobs"]
+    first_logprob, first_id = token_logprobs[0]
+    assert h.scheduler.tokenizer.decode([first_id]).strip() == "{"
+    assert first_logprob < -0.01
+    assert all(lp <= 0 for lp, _ in top_logprobs[0])
+
+
+def test_grammar_end_finishes_with_stop_even_with_ignore_eos(tiny_llama_dir):
+    reqs = [("r", prompts(1)[0], {"regex": "ab", "ignore_eos": True, "max_new_tokens": 50})]
+    h = run(tiny_llama_dir, True, reqs, **SERVER_ARGS)
+    eos = sorted(h.scheduler.finish_checker.eos_token_ids)
+    assert h.collected.finishes["r"] == {"type": "stop", "matched": h.collected.ids["r"][-1]}
+    assert h.collected.ids["r"][-1] in eos
+    assert h.scheduler.tokenizer.decode(h.collected.ids["r"][:-1]) == "ab"
+
+
+def test_bad_grammar_in_the_scheduler_is_a_400(tiny_llama_dir):
+    """A grammar that reaches the scheduler unchecked (the tokenizer manager checks first)
+    ends its request alone with a 400 naming the problem; a queued one can be aborted."""
+    h = SchedulerHarness(tiny_llama_dir)
+    try:
+        h.submit("bad", regex="[a-")
+        h.submit("good", regex="x{3}", ignore_eos=False, max_new_tokens=10)
+        h.submit("aborted", json_schema='{"type": "string", "maxLength": 3}')
+        h.abort("aborted")
+        h.run_until_idle()
+        bad = h.collected.finishes["bad"]
+        assert bad["type"] == "abort" and bad["status_code"] == 400
+        assert bad["message"].startswith("sampling_params.regex: invalid regex: ") and "'['" in bad["message"]
+        assert h.collected.finishes["aborted"]["type"] == "abort"
+        assert h.scheduler.tokenizer.decode(h.collected.ids["good"], skip_special_tokens=True) == "xxx"
+        h.assert_memory_idle()
+    finally:
+        h.close()
+
+
+def test_compile_cache_is_keyed_by_kind_and_value(tiny_llama_dir):
+    tok = load_tokenizer(str(tiny_llama_dir))
+    backend = XGrammarBackend(tok, len(tok) + 64, [tok.eos_token_id])  # a padded model vocabulary
+    assert backend.vocab_size == len(tok) + 64
+    a = backend.compile(("regex", "a+"))
+    assert backend.compile(("regex", "a+")) is a
+    assert backend.compile(("ebnf", 'root ::= "a"')) is not a
+    a.result(timeout=30)
+    with pytest.raises(ValueError, match="sampling_params.json_schema: invalid json_schema"):
+        backend.compile(("json_schema", "{nope")).result(timeout=30)
+
+
+@pytest.mark.parametrize("key,message", [
+    (("json_schema", '{"type": "foo"}'), 'sampling_params.json_schema: invalid json_schema: Unsupported type "foo"'),
+    (("json_schema", "{not json"), "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
+    (("regex", "(ab"), "sampling_params.regex: invalid regex: "),
+    (("ebnf", 'root ::= "a" |'), "sampling_params.ebnf: invalid ebnf: EBNF parser error"),
+])
+def test_invalid_grammars_name_the_problem(key, message):
+    with pytest.raises(ValueError) as e:
+        parse_grammar(key)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "/project/" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grammar_backend_none_and_no_tokenizer_refuse():
+    with pytest.raises(ValueError, match=r"sampling_params.regex: structured output is disabled on this server "
+                                         r"\(--grammar-backend none\)"):
+        verify_grammar(("regex", "a"), "none", True, True)
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        verify_grammar(("regex", "a"), "xgrammar", False, True)
+    verify_grammar(("regex", "a"), "xgrammar", True, True)
+
+
+def test_sampling_params_grammar_fields():
+    sp = SamplingParams.from_dict({"json_schema": {"type": "string"}, "regex": "", "ebnf": None})
+    assert sp.grammar_key() == ("json_schema", '{"type": "string"}')
+    assert SamplingParams.from_dict({}).grammar_key() is None
+    with pytest.raises(ValueError, match=r"only one of regex, json_schema, or ebnf can be set \(got json_schema and regex\)"):
+        SamplingParams.from_dict({"json_schema": "{}", "regex": "a"})
+    with pytest.raises(ValueError, match="sampling_params.regex: must be a string"):
+        SamplingParams.from_dict({"regex": 5})
