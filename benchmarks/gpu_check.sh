@@ -36,6 +36,7 @@ fi
 
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o timeout=150 -rs \
     tests/cuda tests/unit/test_triton_attention.py tests/unit/test_attention_backends.py \
+    tests/unit/test_cuda_graph_runner.py tests/unit/test_sampler.py \
     2>&1 | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -2,7 +2,7 @@
 peer environment (`bash ../shared/peers/setup.sh sglang`) and SGLang's test files.
 
     /tmp/peers/venv-sgl/bin/python benchmarks/sglang_suite.py --model-path DIR \\
-        --tests-dir DIR test_srt_endpoint test_matched_stop ...
+        --tests-dir DIR [--drop-flag=--FLAG] test_srt_endpoint test_matched_stop ...
 
 `--tests-dir` holds test modules copied from SGLang's repository (test/srt/...); they are
 SGLang's code (Apache-2.0) and are not shipped here. Each module is run with unittest, as
@@ -28,12 +28,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _install_launcher(bin_dir: Path, tandem_python: str) -> None:
-    """A `sglang` executable that turns `sglang serve ARGS` into Tandem's launcher."""
+def _install_launcher(bin_dir: Path, tandem_python: str, drop: list[str]) -> None:
+    """A `sglang` executable that turns `sglang serve ARGS` into Tandem's launcher, without
+    the value-less flags in `drop`."""
+    skip = "|".join(drop) or "--never-given--"
     script = bin_dir / "sglang"
     script.write_text(
         "#!/bin/sh\n"
         '[ "$1" = serve ] && shift\n'
+        f'for a do shift; case "$a" in {skip}) ;; *) set -- "$@" "$a" ;; esac; done\n'
         f'cd {REPO} && exec {tandem_python} -m tandem.launch_server "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -52,11 +55,14 @@ def main() -> int:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tests-dir", required=True)
     ap.add_argument("--tandem-python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--drop-flag", action="append", default=[],
+                    help="a value-less flag to leave out of every launch, as --drop-flag=--FLAG (diagnosis: run the tests "
+                         "of a class whose server needs a flag Tandem refuses)")
     ap.add_argument("modules", nargs="+", help="test module names (or module.Class.test) in --tests-dir")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _install_launcher(Path(tempfile.mkdtemp(prefix="tandem-sglang-suite-")), args.tandem_python)
+    _install_launcher(Path(tempfile.mkdtemp(prefix="tandem-sglang-suite-")), args.tandem_python, args.drop_flag)
     _point_models_at(os.path.abspath(args.model_path))
     sys.path.insert(0, os.path.abspath(args.tests_dir))
 

@@ -88,6 +88,7 @@ class ServerArgs:
     enable_dp_attention: bool = False
     is_embedding: bool = False
     reasoning_parser: str | None = None
+    enable_custom_logit_processor: bool = False
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None

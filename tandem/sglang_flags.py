@@ -79,6 +79,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                parse=_FLAG),
     CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
     CompatFlag("reasoning_parser", ("--reasoning-parser",), "reasoning parsers are not built yet", _OFF),
+    CompatFlag("enable_custom_logit_processor", ("--enable-custom-logit-processor",),
+               "custom logit processors (code sent by clients) are not built yet", _OFF, parse=_FLAG),
     CompatFlag("tool_call_parser", ("--tool-call-parser",),
                f"the tool-call parsers built are {', '.join(ToolCallParserEnum)}", _is(None, *ToolCallParserEnum)),
     # Accepted, with no effect in this build.

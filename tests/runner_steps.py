@@ -53,5 +53,6 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]], steps: int,
             g.append(nxt)
         fb = ForwardBatch.for_rows(ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs],
                                    [1] * len(seqs), slots, device)
-        out_logits.append(runner.forward(fb).next_token_logits)
+        # A clone: under CUDA graphs the logits are a view that the next replay overwrites.
+        out_logits.append(runner.forward(fb).next_token_logits.clone())
     return generated, out_logits

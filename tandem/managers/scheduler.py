@@ -203,12 +203,10 @@ class Scheduler:
         previous, self.inflight = self.inflight, None
         if batch is not None:
             # Delayed sampling: with a result pending, the grammars have not seen its
-            # tokens yet; the mask is filled once it is processed, while `batch` computes.
+            # tokens yet; its processing fills the mask while `batch` computes.
             self.inflight = self.launch(batch, fill_vocab_mask=previous is None)
         if previous is not None:
             self.process_launched(previous)
-            if self.inflight is not None:
-                self.fill_vocab_mask(self.inflight)
         return batch is not None or previous is not None
 
     # ---- input ---------------------------------------------------------------------
@@ -274,6 +272,7 @@ class Scheduler:
                                 self.max_total_num_tokens - req.prompt_len)
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         if sp.min_new_tokens > 0:
+            # A grammar ends only with EOS (its stop token), so it decides where the output ends.
             eos = set() if sp.ignore_eos else self.finish_checker.eos_token_ids
             req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
         if sp.grammar_key() is None:
@@ -469,8 +468,10 @@ class Scheduler:
         return launched
 
     def fill_vocab_mask(self, launched: LaunchedBatch) -> None:
-        """Fill `launched`'s vocab mask from its requests' grammars, once (every result
-        before it must have been processed: the grammars have seen every token)."""
+        """Fill `launched`'s vocab mask from its requests' grammars, once. Every result
+        before it must have been processed (the grammars have seen every token): at
+        launch with nothing in flight, or right after the tokens of the batch in flight
+        were accepted (`process_batch_result`, before sending its outputs)."""
         mask = launched.mwb.vocab_mask
         if mask is not None and not mask.is_ready():
             self.grammar_backend.fill_vocab_mask(mask, launched.grammars())
@@ -517,6 +518,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the second wall
                 self._abort_on_error(req, "processing its output", e)
         self.running = [r for r in self.running if not r.finished()]
+        if self.inflight is not None:  # delayed sampling: its sampler waits for the mask, not for our outputs
+            self.fill_vocab_mask(self.inflight)
         self.send_outputs(advanced)
 
     def _process_result_of(self, batch: ScheduleBatch, result: HostBatchResult, i: int) -> None:

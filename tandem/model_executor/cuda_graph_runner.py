@@ -65,7 +65,7 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, **int64)
         self.seq_lens = torch.full((self.max_bs,), attn_backend.get_cuda_graph_seq_len_fill_value(), **int64)
         self.logits = torch.zeros((self.max_bs, vocab_size), dtype=torch.float32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # anything with replay(): tests replay eagerly
         self.capture()
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -87,19 +87,30 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # the static buffers are written there
         for bs in reversed(self.batch_sizes):
-            fb = self._static_batch(bs)
-            self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens)
+            body = self.graph_body(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: lazy kernel compilation and allocations happen outside the graph
-                    self.forward_fn(fb)
+                    body()
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:bs].copy_(self.forward_fn(fb).next_token_logits)
+                body()
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def graph_body(self, bs: int) -> Callable[[], None]:
+        """What the graph of bucket `bs` runs: the model's decode forward over the static
+        buffers, its logits copied into the static output (the backend's capture hook has
+        run when this returns)."""
+        fb = self._static_batch(bs)
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens)
+
+        def body() -> None:
+            self.logits[:bs].copy_(self.forward_fn(fb).next_token_logits)
+
+        return body
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """The decode logits of `fb` (batch_size <= max_bs) from the smallest bucket: a view

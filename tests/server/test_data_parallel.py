@@ -1,8 +1,10 @@
-"""Data parallelism on a real server (--dp-size 2: two replicas behind the data-parallel
-controller, --load-balance-method shortest_queue; round_robin and the controller's
-routing are tested in-process in tests/unit/test_data_parallel_controller.py).
+"""Data parallelism on a real server (--dp-size 2 --tp-size 2: two replicas of two TP
+ranks each behind the data-parallel controller, --load-balance-method shortest_queue,
+8-token prefill chunks, the radix cache and the overlap loop; round_robin and the
+controller's routing are tested in-process in tests/unit/test_data_parallel_controller.py).
 
-Concurrent greedy requests give --dp-size 1's outputs (the session server, same model)
+Concurrent greedy requests give --dp-size 1 --tp-size 1's outputs (the session server,
+same model), prompts chunked and prefixes reused
 and both replicas serve some of them (visible per DP rank in /server_info's
 internal_states); an abort reaches whichever replica holds the request; /flush_cache
 and /server_info are answered once for both replicas."""
@@ -20,13 +22,14 @@ import pytest
 from http_helpers import assert_memory_idle, generate, stream_events
 from server_launcher import ServerHandle
 
-PROMPTS = [f"Prompt number {i} says" for i in range(8)]
+PROMPTS = [f"Prompt number {i} says that the little dragon read a book about the sea" for i in range(8)]
 PARAMS = {"max_new_tokens": 16, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def dp2_server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--dp-size", "2", "--load-balance-method", "shortest_queue"]) as h:
+    with ServerHandle(tiny_llama_dir, extra_args=["--dp-size", "2", "--tp-size", "2", "--load-balance-method",
+                                                "shortest_queue", "--chunked-prefill-size", "8"]) as h:
         yield h
 
 
@@ -42,18 +45,20 @@ def _finished_per_replica(client: httpx.Client) -> list[int]:
 
 def test_one_process_per_replica_and_the_controller(dp2_server):
     names = {p.cmdline()[0] for p in psutil.Process(dp2_server.proc.pid).children(recursive=True)}
-    assert {"tandem::scheduler_DP0_TP0", "tandem::scheduler_DP1_TP0", "tandem::data_parallel_controller",
-            "tandem::detokenizer"} <= names
+    assert {"tandem::scheduler_DP0_TP0", "tandem::scheduler_DP0_TP1", "tandem::scheduler_DP1_TP0",
+            "tandem::scheduler_DP1_TP1", "tandem::data_parallel_controller", "tandem::detokenizer"} <= names
 
 
 def test_concurrent_greedy_outputs_equal_dp1_and_both_replicas_work(client, dp2_client):
     want = [generate(client, text=p, sampling_params=PARAMS)["output_ids"] for p in PROMPTS]
     before = _finished_per_replica(dp2_client)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: generate(dp2_client, text=p, sampling_params=PARAMS)["output_ids"], PROMPTS))
-    assert got == want
+        outs = list(pool.map(lambda p: generate(dp2_client, text=p, sampling_params=PARAMS), PROMPTS))
+    assert [o["output_ids"] for o in outs] == want
+    again = generate(dp2_client, text=PROMPTS[0], sampling_params=PARAMS)  # both replicas cached the prefix
+    assert again["output_ids"] == want[0] and again["meta_info"]["cached_tokens"] > 0
     done = [b - a for a, b in zip(before, _finished_per_replica(dp2_client))]
-    assert sum(done) == len(PROMPTS) and all(n > 0 for n in done), done
+    assert sum(done) == len(PROMPTS) + 1 and all(n > 0 for n in done), done
     info = assert_memory_idle(dp2_client)  # the sums over the replicas
     for state in info["internal_states"]:  # and each replica's own
         assert state["free_kv_slots"] + state["evictable_cached_slots"] == state["max_total_num_tokens"], state

@@ -93,6 +93,15 @@ def test_completions_match_generate(server, client, tokenizer):
     assert batch.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Hello"))
     echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + native["text"]
+    # Token ids are echoed as SGLang echoes them: decoded without special tokens (no BOS),
+    # streamed or not (SGLang's test_completion checks text.startswith(prompt)).
+    echo_text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert not echo_text.startswith(tokenizer.bos_token)
+    echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True)
+    assert echoed.choices[0].text == echo_text + native["text"]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == echo_text + native["text"]
 
 
 def test_completions_stream(client):

@@ -116,3 +116,15 @@ def test_chat_response_format(client):
 def test_chat_bad_response_format_is_400(client, fields, message):
     r = chat(client, **fields)
     assert r.status_code == 400 and message in r.text, r.text
+
+
+def test_grammar_backend_none_refuses_constrained_requests(tiny_llama_dir):
+    with ServerHandle(tiny_llama_dir, ["--grammar-backend", "none"]) as server:
+        with httpx.Client(base_url=server.base_url, timeout=60) as c:
+            r = generate(c, regex="a")
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == ("sampling_params.regex: structured output is disabled on this "
+                                                   "server (--grammar-backend none)")
+            r = chat(c, response_format={"type": "json_object"})
+            assert r.status_code == 400 and "structured output is disabled" in r.text, r.text
+            assert generate(c, max_new_tokens=3).status_code == 200

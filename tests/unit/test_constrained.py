@@ -115,8 +115,11 @@ def test_logprobs_are_of_the_raw_distribution(tiny_llama_dir):
     assert all(lp <= 0 for lp, _ in top_logprobs[0])
 
 
-def test_grammar_end_finishes_with_stop_even_with_ignore_eos(tiny_llama_dir):
-    reqs = [("r", prompts(1)[0], {"regex": "ab", "ignore_eos": True, "max_new_tokens": 50})]
+@pytest.mark.parametrize("fields", [{"ignore_eos": True}, {"min_new_tokens": 8, "ignore_eos": False}])
+def test_grammar_end_finishes_with_stop(tiny_llama_dir, fields):
+    """The grammar's end (its EOS accepted) finishes the request, even with ignore_eos or
+    before min_new_tokens (which never bans the EOS a grammar needs)."""
+    reqs = [("r", prompts(1)[0], {"regex": "ab", "max_new_tokens": 50, **fields})]
     h = run(tiny_llama_dir, True, reqs, **SERVER_ARGS)
     eos = sorted(h.scheduler.finish_checker.eos_token_ids)
     assert h.collected.finishes["r"] == {"type": "stop", "matched": h.collected.ids["r"][-1]}

@@ -110,3 +110,11 @@ def test_parallelism_refused(argv, flag):
     with pytest.raises(ValueError) as e:
         _parse(*argv).validate()
     assert str(e.value).startswith(flag)
+
+
+def test_custom_logit_processor_flag_names_the_missing_feature():
+    """SGLang's test_srt_endpoint starts its server with --enable-custom-logit-processor:
+    the start must stop naming the flag, not with argparse's "unrecognized arguments"."""
+    args = _parse("--enable-custom-logit-processor")
+    with pytest.raises(ValueError, match="^--enable-custom-logit-processor .*not built"):
+        args.validate()

@@ -64,6 +64,7 @@ class _SamplingFields(BaseModel):
     ebnf: str | None = None
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's extension
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
 
     def unsupported_fields(self) -> list[str]:
@@ -72,7 +73,7 @@ class _SamplingFields(BaseModel):
                 if getattr(self, name) is not None and not neutral(getattr(self, name))]
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {"logit_bias": lambda v: not v}
+        return {"logit_bias": lambda v: not v, "stop_regex": lambda v: not v}
 
     def grammar_fields(self) -> dict[str, tuple[str, str]]:
         """Each field that constrains the output, as {field: (sampling param, value)}."""

@@ -60,7 +60,7 @@ async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list
                            vocab_size: int | None = None, max_tokens: int | None = None) -> list[Prompt]:
     """Tokenize string prompts on the encoder's thread (refusing, by its length, one that
     cannot fit `max_tokens`); ids pass through, checked against the vocabulary, and are
-    decoded for `echo`. No encoder: the server runs without a tokenizer."""
+    decoded (without special tokens) for `echo`. No encoder: the server runs without a tokenizer."""
     out = []
     for p in prompts:
         if isinstance(p, str):
@@ -79,7 +79,9 @@ async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list
             if bad:
                 raise OpenAIError(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
                                   400, param="prompt")
-            out.append(Prompt(list(p), await encoder.decode(p) if encoder is not None else ""))
+            # Echoed as SGLang echoes token ids: without special tokens (no BOS).
+            text = await encoder.decode(p, skip_special_tokens=True) if encoder is not None else ""
+            out.append(Prompt(list(p), text))
     return out
 
 
