@@ -46,8 +46,10 @@ clean:
 	rm -rf $(VENV) models .pytest_cache
 
 # Side-by-side comparison with vLLM, SGLang (when ../shared/peers/setup.sh installed them) and HF
-# transformers; writes docs/benchmarks.md and docs/benchmarks.png. Takes about an hour on 2 cores.
-# BENCH_ARGS="--quick --models 7m" for a smoke run.
+# transformers, each model in float32 and bfloat16, workloads a-e (16 and 64 concurrent, single
+# stream, Poisson rate, shared prefix); writes docs/benchmarks.md and docs/benchmarks.png.
+# Takes about two hours on 2 cores. BENCH_ARGS="--quick --models 7m" for a smoke run,
+# BENCH_ARGS="--dtypes bfloat16 --workloads a,e" for a subset.
 BENCH_ARGS ?=
 .PHONY: bench-compare
 bench-compare: install

@@ -22,6 +22,9 @@ Workloads (token-id prompts, `ignore_eos`, so every engine does the same work):
   d  shared prefix (bench_serving's shared-prefix dataset): groups of prompts sharing a
      512-token system prompt, each with its own 64-token question, 32 output tokens,
      16 in flight.
+  e  as (a) with 64 concurrent requests.
+Every engine runs each model in each of --dtypes (float32 and bfloat16 by default); a
+table row is one model in one dtype ("100m bf16").
 Output lengths are fixed (bench_serving's range ratio applies to both lengths; here it
 applies to the prompts only). Each repeat uses its own seed, so no prompt of one run is
 in a prefix cache filled by another. Tandem extra: workload d with
@@ -72,6 +75,17 @@ ENGINE_LABELS = {"tandem": "Tandem", "vllm": "vLLM", "sglang": "SGLang", "hf": "
 BACKENDS = {"tandem": "tandem", NORADIX: "tandem", "sglang": "sglang", "vllm": "vllm"}
 START_TIMEOUT = {"tandem": 300.0, NORADIX: 300.0, "sglang": 600.0, "vllm": 900.0}
 DEFAULT_RATES = {"7m": 4.0, "100m": 1.5}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # --dtypes value -> short name in a row's model label
+THROUGHPUT_WORKLOADS = ("a", "e", "d", "b")  # workloads whose output tok/s is compared with the best peer
+
+
+def model_label(preset: str, dtype: str) -> str:
+    """One table row's model: the preset and the dtype it ran in ("100m bf16")."""
+    return f"{preset} {DTYPES[dtype]}"
+
+
+def preset_of(label: str) -> str:
+    return label.split()[0]
 
 
 # ---- workloads ---------------------------------------------------------------------
@@ -133,6 +147,9 @@ def make_workloads(quick: bool, rate: float) -> dict[str, Workload]:
         "d": Workload("d", "shared prefix: 512-token system prompt + 64-token question, 32 out, 16 in flight",
                       "shared-prefix", output_len=32, max_concurrency=16, gsp_num_groups=2 if quick else 4,
                       gsp_prompts_per_group=8, gsp_system_prompt_len=512, gsp_question_len=64),
+        "e": Workload("e", "64 concurrent requests, 64-128 in / 128 out", "random",
+                      num_prompts=64 if quick else 128, input_len=128, range_ratio=0.5, output_len=128,
+                      max_concurrency=64),
     }
 
 
@@ -232,11 +249,12 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def server_command(engine: str, model_dir: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
+def server_command(engine: str, model_dir: Path, port: int, dtype: str,
+                   args: argparse.Namespace) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if engine in ("tandem", NORADIX):
         cmd = [sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_dir), "--port", str(port),
-               "--log-level", "warning"]
+               "--dtype", dtype, "--log-level", "warning"]
         if engine == NORADIX:
             cmd.append("--disable-radix-cache")
         return cmd, env
@@ -244,7 +262,10 @@ def server_command(engine: str, model_dir: Path, port: int, args: argparse.Names
     if engine == "vllm" and args.vllm_all_cores:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    extra = ["--enable-prompt-tokens-details"] if engine == "vllm" else []  # report cached prompt tokens
+    # serve.sh passes --dtype float32; a later --dtype wins.
+    extra = ["--dtype", dtype]
+    if engine == "vllm":
+        extra.append("--enable-prompt-tokens-details")  # report cached prompt tokens
     return ["bash", str(args.peers_serve), engine, str(model_dir), str(port), *extra], env
 
 
@@ -339,12 +360,12 @@ def warm_up_server(backend: str, base_url: str, space: TokenSpace) -> None:
 class HFRunner:
     """`generate` on left-padded batches: greedy, min_new_tokens == max_new_tokens."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, dtype: str):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
         cfg = self.model.config
         gen = self.model.generation_config
         pad = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else gen.pad_token_id
@@ -451,24 +472,26 @@ def _summary(row: dict[str, Any]) -> str:
             f"{row['completed']} ok / {row['failed']} failed, {row['duration']:.1f} s")
 
 
-def run_engine(engine: str, model: str, model_dir: Path, workloads: list[Workload], plan: Plan,
+def run_engine(engine: str, model: str, dtype: str, model_dir: Path, workloads: list[Workload], plan: Plan,
                args: argparse.Namespace, rows: list[dict[str, Any]], run_id: str) -> None:
+    """`model`: the row label (preset and dtype, `model_label`)."""
     space = load_token_space(str(model_dir))
-    base = {"run_id": run_id, "engine": engine, "model": model, "model_dir": str(model_dir), "quick": args.quick,
-            "command": args.command, "version": engine_version(engine, args)}
+    base = {"run_id": run_id, "engine": engine, "model": model, "dtype": dtype, "model_dir": str(model_dir),
+            "quick": args.quick, "command": args.command, "version": engine_version(engine, args)}
     runner: Callable[[Workload, int], dict[str, Any]]
     server: Server | None = None
     hf: HFRunner | None = None
     t0 = time.monotonic()
     try:
         if engine == "hf":
-            hf = HFRunner(model_dir)
+            hf = HFRunner(model_dir, dtype)
             hf.warm_up(space)
             runner = lambda w, seed: hf.run(w, space, seed)  # noqa: E731
         else:
             port = free_port()
-            cmd, env = server_command(engine, model_dir, port, args)
-            server = Server(engine, cmd, env, args.log_dir / f"{run_id}-{engine}-{model}.log", port)
+            cmd, env = server_command(engine, model_dir, port, dtype, args)
+            server = Server(engine, cmd, env, args.log_dir / f"{run_id}-{engine}-{model.replace(' ', '-')}.log",
+                            port)
             ready = server.wait_ready(START_TIMEOUT[engine] * args.start_timeout_scale)
             print(f"[compare] {engine} on {model}: ready after {ready:.0f} s (log {server.log_path})", flush=True)
             warm_up_server(BACKENDS[engine], server.base_url, space)
@@ -508,16 +531,18 @@ def run_matrix(plan: Plan, args: argparse.Namespace) -> list[dict[str, Any]]:
     run_id = time.strftime("%Y%m%d-%H%M%S")
     args.results_jsonl.parent.mkdir(parents=True, exist_ok=True)
     args.results_jsonl.write_text("")
-    for model in plan.models:
-        model_dir = ensure_model(model, args.model_dir)
-        workloads = make_workloads(args.quick, args.rates[model])
+    for preset in args.models:
+        model_dir = ensure_model(preset, args.model_dir)
+        workloads = make_workloads(args.quick, args.rates[preset])
         selected = [workloads[k] for k in plan.workloads]
-        for engine in plan.engines:
-            ws = [w for w in selected if not (engine == "hf" and w.key == "c")]
-            if ws:
-                run_engine(engine, model, model_dir, ws, plan, args, rows, run_id)
-            if engine == "tandem" and plan.radix_extra:
-                run_engine(NORADIX, model, model_dir, [workloads["d"]], plan, args, rows, run_id)
+        for dtype in args.dtypes:
+            model = model_label(preset, dtype)
+            for engine in plan.engines:
+                ws = [w for w in selected if not (engine == "hf" and w.key == "c")]
+                if ws:
+                    run_engine(engine, model, dtype, model_dir, ws, plan, args, rows, run_id)
+                if engine == "tandem" and plan.radix_extra:
+                    run_engine(NORADIX, model, dtype, model_dir, [workloads["d"]], plan, args, rows, run_id)
     return rows
 
 
@@ -572,6 +597,7 @@ COLUMNS = {  # workload -> [(header, metric, digits)]
           ("median TTFT ms", "median_ttft_ms", 0), ("p99 TTFT ms", "p99_ttft_ms", 0),
           ("cached prompt tokens", "total_cached_tokens", 0), ("wall s", "duration", 2)],
 }
+COLUMNS["e"] = COLUMNS["a"]
 
 
 def _engine_order(agg: dict, model: str, workload: str) -> list[str]:
@@ -593,14 +619,15 @@ def best_peer_ratio(agg: dict, model: str, metric: str = "output_throughput",
 
 def render_tables(agg: dict, models: list[str], workloads: dict[str, Workload], rates: dict[str, float]) -> str:
     lines = []
-    ratios = [(m, best_peer_ratio(agg, m)) for m in models]
-    if any(r for _, r in ratios):
-        lines += ["### Tandem / best peer, total output throughput on (a)", "",
-                  "| model | Tandem output tok/s | best peer | peer output tok/s | Tandem / best peer |",
-                  "|---|---|---|---|---|"]
-        for m, r in ratios:
+    ratios = [(m, k, best_peer_ratio(agg, m, workload=k)) for m in models for k in THROUGHPUT_WORKLOADS
+              if k in workloads]
+    if any(r for _, _, r in ratios):
+        lines += ["### Tandem / best peer, output throughput", "",
+                  "| model | workload | Tandem output tok/s | best peer | peer output tok/s | Tandem / best peer |",
+                  "|---|---|---|---|---|---|"]
+        for m, k, r in ratios:
             if r:
-                lines.append(f"| {m} | {r[0]:.0f} | {ENGINE_LABELS[r[2]]} | {r[1]:.0f} | **{r[3]:.2f}x** |")
+                lines.append(f"| {m} | ({k}) | {r[0]:.0f} | {ENGINE_LABELS[r[2]]} | {r[1]:.0f} | **{r[3]:.2f}x** |")
         lines.append("")
     for m in models:
         for key, w in workloads.items():
@@ -608,24 +635,24 @@ def render_tables(agg: dict, models: list[str], workloads: dict[str, Workload], 
             if not engines:
                 continue
             cols = COLUMNS[key]
-            rate = f", {rates[m]:g} req/s" if key == "c" else ""
+            rate = f", {rates[preset_of(m)]:g} req/s" if key == "c" else ""
             lines += [f"### {m}, workload ({key}): {w.title}{rate}", ""]
             header = "| engine | " + " | ".join(c[0] for c in cols) + " |"
-            if key == "a":
+            if key in THROUGHPUT_WORKLOADS:
                 header += " Tandem / best peer |"
             lines += [header, "|" + "---|" * (header.count("|") - 1)]
-            ratio = best_peer_ratio(agg, m) if key == "a" else None
+            ratio = best_peer_ratio(agg, m, workload=key) if key in THROUGHPUT_WORKLOADS else None
             for e in engines:
                 entry = agg[(m, e, key)]
                 cells = []
                 for _, metric, digits in cols:
                     v = entry.get(metric)
-                    if metric == "median_e2e_latency_ms" and key == "a" and v:
+                    if metric == "median_e2e_latency_ms" and key in ("a", "e") and v:
                         v = tuple(x / 1000 for x in v)
                         digits = 2
                     cells.append(_fmt(v, digits))
                 row = f"| {ENGINE_LABELS[e]} | " + " | ".join(cells) + " |"
-                if key == "a":
+                if key in THROUGHPUT_WORKLOADS:
                     row += (f" {ratio[3]:.2f}x |" if (ratio and e == "tandem") else " |")
                 if entry["n"] < entry["runs"] or entry.get("failed_requests"):
                     row += f" <!-- {entry['runs'] - entry['n']} failed runs, {entry.get('failed_requests', 0)} failed requests -->"
@@ -736,7 +763,7 @@ def command_line(argv: list[str]) -> str:
 def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan,
                     versions: dict[str, str], plot_path: Path | None) -> str:
     agg = aggregate(rows)
-    workloads = {k: v for k, v in make_workloads(args.quick, args.rates[plan.models[0]]).items()
+    workloads = {k: v for k, v in make_workloads(args.quick, args.rates[preset_of(plan.models[0])]).items()
                  if k in plan.workloads}
     smoke = args.quick or plan.repeats < 3
     out = ["# Benchmarks: Tandem, vLLM, SGLang and HF transformers", ""]
@@ -762,7 +789,9 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
                    "other processes competed for the cores)")
     out += ["", "## Methodology", "",
             "- Models: `python -m tandem.tools.make_tiny_model --arch llama --preset 7m|100m` (seeded random "
-            "weights, fp32; 7m = 7.3M parameters, 100m = 102M), one directory loaded by every engine.",
+            "weights, saved in fp32; 7m = 7.3M parameters, 100m = 102M), one directory loaded by every engine, "
+            "in each dtype of the row's label (every engine is given `--dtype float32` or `--dtype bfloat16`; "
+            "HF transformers loads with that `dtype`).",
             "- One engine at a time (the 1-minute load average at the start of each run is recorded above): start its server, wait for `GET /health`, "
             "warm it up (16 concurrent short requests, then one), run every workload `--repeats` times, stop "
             "it (SIGTERM to its process group, SIGKILL to anything left), then the next engine.",
@@ -778,18 +807,19 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
             "- Metrics (SGLang's definitions, `tandem/benchmarks/metrics.py`): output tok/s = generated tokens "
             "/ run duration (first send to last response); total tok/s adds prompt tokens; TTFT = first token "
             "- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed tokens.",
-            "- vLLM: `../shared/peers/serve.sh vllm DIR PORT --enable-prompt-tokens-details` (fp32, "
+            "- vLLM: `../shared/peers/serve.sh vllm DIR PORT --dtype D --enable-prompt-tokens-details` ("
             "max-model-len 2048; the flag only makes it report cached prompt tokens)"
             + (", with `VLLM_CPU_OMP_THREADS_BIND=0-N VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on all "
                "cores" if args.vllm_all_cores else ", vLLM's default CPU thread binding") + ". SGLang: "
-            "`serve.sh sglang` (CPU, fp32, torch-native, `--max-total-tokens 65536`). Tandem: "
-            "`python -m tandem.launch_server --model-path DIR --port P` with default flags.",
+            "`serve.sh sglang DIR PORT --dtype D` (CPU, torch-native, `--max-total-tokens 65536`). Tandem: "
+            "`python -m tandem.launch_server --model-path DIR --port P --dtype D`, other flags at their defaults.",
             "", "### Workloads", "",
             "| key | workload | bench_serving flags of the same prompts |", "|---|---|---|"]
     for key, w in workloads.items():
         rates = ""
         if key == "c":
-            rates = " Rate per model: " + ", ".join(f"{m} {args.rates[m]:g} req/s" for m in plan.models) + "."
+            presets = dict.fromkeys(preset_of(m) for m in plan.models)
+            rates = " Rate per model: " + ", ".join(f"{m} {args.rates[m]:g} req/s" for m in presets) + "."
         out.append(f"| {key} | {w.title}.{rates} | `{w.bench_serving_flags()}` |")
     out += ["", "Output lengths are fixed at the value shown (bench_serving's `--random-range-ratio` would also "
             "shorten outputs; this script applies it to prompts only).", "", "## Results", ""]
@@ -812,10 +842,11 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
 def print_console(rows: list[dict[str, Any]], plan: Plan) -> None:
     agg = aggregate(rows)
     for m in plan.models:
-        r = best_peer_ratio(agg, m)
-        if r:
-            print(f"[compare] {m} (a) output tok/s: Tandem {r[0]:.0f}, best peer {ENGINE_LABELS[r[2]]} "
-                  f"{r[1]:.0f}, Tandem / best peer = {r[3]:.2f}x", flush=True)
+        for k in THROUGHPUT_WORKLOADS:
+            r = best_peer_ratio(agg, m, workload=k)
+            if r:
+                print(f"[compare] {m} ({k}) output tok/s: Tandem {r[0]:.0f}, best peer {ENGINE_LABELS[r[2]]} "
+                      f"{r[1]:.0f}, Tandem / best peer = {r[3]:.2f}x", flush=True)
 
 
 # ---- CLI ---------------------------------------------------------------------------
@@ -840,7 +871,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=_csv, default=list(ENGINES), help="comma list of tandem,vllm,sglang,hf")
     p.add_argument("--models", type=_csv, default=["7m", "100m"], help="make_tiny_model presets (7m,100m)")
-    p.add_argument("--workloads", type=_csv, default=["a", "b", "c", "d"], help="comma list of a,b,c,d")
+    p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="comma list of float32,bfloat16")
+    p.add_argument("--workloads", type=_csv, default=list("abcde"), help="comma list of a,b,c,d,e")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, fewer prompts")
     p.add_argument("--rate", dest="rates", type=_rates, default=dict(DEFAULT_RATES),
@@ -867,8 +899,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if e not in ENGINES:
             p.error(f"--engines: unknown engine {e!r} (expected {','.join(ENGINES)})")
     for w in args.workloads:
-        if w not in "abcd" or len(w) != 1:
-            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d)")
+        if w not in "abcde" or len(w) != 1:
+            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d,e)")
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: unknown dtype {d!r} (expected {','.join(DTYPES)})")
     from tandem.tools.make_tiny_model import PRESETS
 
     for m in args.models:
@@ -894,7 +929,7 @@ def plan_from_rows(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namesp
     args.quick = any(r.get("quick") for r in rows)
     for r in rows:
         if r.get("workload") == "c" and isinstance(r.get("request_rate"), (int, float)):
-            args.rates[r["model"]] = float(r["request_rate"])
+            args.rates[preset_of(r["model"])] = float(r["request_rate"])
     args.command = next((r["command"] for r in rows if r.get("command")), args.command)
 
 
@@ -937,7 +972,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[compare] skipping {e}: {why}", flush=True)
         else:
             engines.append(e)
-    plan = Plan(models=args.models, engines=engines, workloads=[k for k in "abcd" if k in args.workloads],
+    plan = Plan(models=[model_label(m, d) for m in args.models for d in args.dtypes], engines=engines,
+                workloads=[k for k in "abcde" if k in args.workloads],
                 repeats=args.repeats, radix_extra=args.radix_extra and "tandem" in engines and "d" in args.workloads,
                 skipped=skipped)
     args.command = command_line(argv)

@@ -20,13 +20,18 @@ Flags (besides every server flag of `python -m tandem.launch_server`: --model-pa
   --run-name NAME          Label stored in the JSON lines (default "before").
   --output-file PATH       Append one JSON line per configuration (alias --result-filename).
   --seed N                 Seed of the random prompts (default 1).
+  --floor / --no-floor     Also print each decode step's hardware floor and the step as a
+                           multiple of it (default on; `tandem.benchmarks.hardware_floor`).
 
 Without --max-total-tokens / --max-running-requests / --context-length the KV cache is
 sized to fit the largest configuration exactly, not from free memory.
 
 Reported per configuration (SGLang's bench_one_batch names): prefill latency (s) and
 throughput (prompt tok/s), median decode step latency (s) and throughput (tok/s over the
-batch), total latency and throughput (all prompt + output tokens / total time).
+batch), total latency and throughput (all prompt + output tokens / total time); with
+--floor, the floor of the median decode step (weights + the batch's KV over the measured
+memory bandwidth, or its FLOPs over the measured matmul throughput, whichever is larger)
+and the step's latency as a multiple of it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.benchmarks.datasets import generate_random_requests, load_token_space
+from tandem.benchmarks.hardware_floor import decode_floor, measure_bandwidth, measure_matmul_flops
 from tandem.managers.schedule_batch import Req, ScheduleBatch
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
@@ -64,6 +70,8 @@ class OneBatchResult:
     median_decode_throughput: float
     total_latency: float
     overall_throughput: float
+    decode_floor: float | None = None  # seconds; with --floor
+    floor_multiple: float | None = None
 
 
 class OneBatchBench:
@@ -75,6 +83,14 @@ class OneBatchBench:
                                ChunkCache(runner.token_to_kv_pool))
         self.space = load_token_space(server_args.tokenizer_path)
         self.seed = seed
+
+    def floor(self, batch_size: int, input_len: int, output_len: int, bandwidth: float,
+              matmul_flops: float) -> float:
+        """Floor (s) of the median decode step: every request at input_len + output_len // 2."""
+        runner = self.runner
+        return decode_floor(runner.model, runner.dtype, [input_len + output_len // 2] * batch_size,
+                            runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
+                            runner.head_dim, bandwidth, matmul_flops).floor_s
 
     def _sync(self) -> None:
         if str(self.runner.device).startswith("cuda"):
@@ -141,11 +157,17 @@ def resolve_server_args(args: argparse.Namespace) -> ServerArgs:
 def format_table(rows: list[OneBatchResult]) -> str:
     header = (f"{'bs':>4} {'in':>6} {'out':>5} | {'prefill s':>10} {'prefill tok/s':>14} | "
               f"{'decode s':>10} {'decode tok/s':>13} | {'total s':>9} {'total tok/s':>12}")
+    with_floor = any(r.decode_floor is not None for r in rows)
+    if with_floor:
+        header += f" | {'floor s':>9} {'x floor':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.batch_size:>4} {r.input_len:>6} {r.output_len:>5} | {r.prefill_latency:>10.4f} "
-                     f"{r.prefill_throughput:>14.1f} | {r.median_decode_latency:>10.5f} "
-                     f"{r.median_decode_throughput:>13.1f} | {r.total_latency:>9.3f} {r.overall_throughput:>12.1f}")
+        line = (f"{r.batch_size:>4} {r.input_len:>6} {r.output_len:>5} | {r.prefill_latency:>10.4f} "
+                f"{r.prefill_throughput:>14.1f} | {r.median_decode_latency:>10.5f} "
+                f"{r.median_decode_throughput:>13.1f} | {r.total_latency:>9.3f} {r.overall_throughput:>12.1f}")
+        if with_floor and r.decode_floor is not None:
+            line += f" | {r.decode_floor:>9.5f} {r.floor_multiple:>8.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -160,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-name", default="before")
     p.add_argument("--output-file", "--result-filename", dest="output_file", default=None)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     for name in ("batch_size", "input_len", "output_len"):
         if min(getattr(args, name)) < 1:
@@ -172,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     server_args = resolve_server_args(args)
     bench = OneBatchBench(server_args, seed=args.seed)
     context_len = bench.runner.context_len
+    bandwidth = measure_bandwidth() if args.floor else 0.0
+    if args.floor:
+        print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     rows: list[OneBatchResult] = []
     for bs in args.batch_size:
         for input_len in args.input_len:
@@ -183,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.warmup:
                     bench.run_once(bs, input_len, min(output_len, WARMUP_OUTPUT_LEN))
                 row = bench.run_once(bs, input_len, output_len, run_name=args.run_name)
+                if args.floor and output_len > 1:
+                    flops = measure_matmul_flops(bs, bench.runner.dtype)
+                    row.decode_floor = bench.floor(bs, input_len, output_len, bandwidth, flops)
+                    row.floor_multiple = row.median_decode_latency / row.decode_floor
+                    print(f"bs={bs}: matmul {flops / 1e9:.1f} GFLOP/s, decode floor {row.decode_floor:.5f} s "
+                          f"({row.floor_multiple:.2f}x)", flush=True)
                 rows.append(row)
                 print(f"bs={bs} in={input_len} out={output_len}: prefill {row.prefill_latency:.4f} s, "
                       f"median decode {row.median_decode_latency:.5f} s, total {row.total_latency:.3f} s",

@@ -184,7 +184,8 @@ class ServerArgs:
         add("--host", default="127.0.0.1", help="Address the HTTP server binds.")
         add("--port", type=int, default=30000, help="Port of the HTTP server.")
         add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-            help="Weight and activation dtype; auto = float32 on CPU, the config's dtype on GPU.")
+            help="Weight and activation dtype; auto = the config's dtype on GPU; on CPU bfloat16 for a "
+                 "bfloat16/float16 model where the CPU has AVX-512 BF16 or AMX, else float32.")
         add("--device", default=None, help="cpu or cuda (default: cuda when available).")
         add("--context-length", type=int, default=None,
             help="Longest prompt + output in tokens (default: the model's max_position_embeddings).")

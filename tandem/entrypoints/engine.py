@@ -126,7 +126,8 @@ class Engine:
         """Replace the named checkpoint tensors (whole tensors, checkpoint names, e.g.
         `model.layers.0.mlp.up_proj.weight`) without a restart (SGLang's
         Engine.update_weights_from_tensor); the other weights keep their values. The
-        tensors travel pickled to the scheduler (copied through host memory), which
+        tensors travel to the scheduler as byte arrays (`HostTensor`, through host
+        memory and the control pipe), which
         pauses admission, rebuilds the model with them on every TP rank (each takes its
         shard) and swaps it in only if every rank succeeded; `flush_cache=False` keeps
         the prefix cache (for a series of partial updates). Send a whole model in one

@@ -15,6 +15,11 @@ Memory: admission (schedule_policy.PrefillAdder) reserves an estimate of the KV 
 admitted requests will still need. When a decode step finds no free slot anyway, the
 running requests that lose least are retracted: their KV is released (into the prefix
 cache) and they return to the front of the queue with their outputs kept, to resume.
+
+Constrained requests (tandem/constrained) wait in the grammar queue until their grammar
+has compiled; a batch holding any carries a vocab mask, filled from their matchers once
+every earlier result is processed (under overlap, while the batch computes: delayed
+sampling), and each accepted token advances the matcher.
 """
 
 from __future__ import annotations
@@ -90,11 +95,6 @@ class LaunchedBatch:
     batch: ScheduleBatch
     mwb: ModelWorkerBatch
     future: "Future[GenerationBatchResult]"
-
-    def grammars(self) -> list:
-        """Each request's grammar for the vocab mask (None: unconstrained, or finished
-        while this batch was in flight: its token is dropped)."""
-        return [None if r.finished() else r.grammar for r in self.batch.reqs]
 
 
 class Scheduler:
@@ -273,7 +273,7 @@ class Scheduler:
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         if sp.min_new_tokens > 0:
             # A grammar ends only with EOS (its stop token), so it decides where the output ends.
-            eos = set() if sp.ignore_eos else self.finish_checker.eos_token_ids
+            eos = set() if sp.ignore_eos or sp.grammar_key() is not None else self.finish_checker.eos_token_ids
             req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
         if sp.grammar_key() is None:
             self.waiting_queue.append(req)
@@ -459,13 +459,11 @@ class Scheduler:
         with constrained requests carries a vocab mask, filled now unless `fill_vocab_mask`
         is False (then `fill_vocab_mask` later: the worker's sampling waits for it)."""
         mwb = batch.launch(self.vocab_size, self.device)
-        launched = LaunchedBatch(batch, mwb, None)
         if any(r.grammar is not None for r in batch.reqs):
             mwb.vocab_mask = VocabMask(len(batch.reqs), self.grammar_backend.vocab_size)
             if fill_vocab_mask:
-                self.fill_vocab_mask(launched)
-        launched.future = self.executor.launch(mwb)
-        return launched
+                self.grammar_backend.fill_vocab_mask(mwb.vocab_mask, [r.grammar for r in batch.reqs])
+        return LaunchedBatch(batch, mwb, self.executor.launch(mwb))
 
     def fill_vocab_mask(self, launched: LaunchedBatch) -> None:
         """Fill `launched`'s vocab mask from its requests' grammars, once. Every result
@@ -474,7 +472,9 @@ class Scheduler:
         were accepted (`process_batch_result`, before sending its outputs)."""
         mask = launched.mwb.vocab_mask
         if mask is not None and not mask.is_ready():
-            self.grammar_backend.fill_vocab_mask(mask, launched.grammars())
+            # A request that finished meanwhile allows every token: its token is dropped.
+            self.grammar_backend.fill_vocab_mask(mask, [None if r.finished() else r.grammar
+                                                        for r in launched.batch.reqs])
 
     def wait_result(self, launched: LaunchedBatch) -> HostBatchResult:
         self.fill_vocab_mask(launched)  # never wait on a sampler that waits for its mask

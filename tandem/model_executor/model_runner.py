@@ -89,13 +89,28 @@ class WeightSource:
         raise ValueError(f"no weight named {name!r} in {self.path!r}")
 
 
-def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
+_HALF_DTYPES = (torch.bfloat16, torch.float16, "bfloat16", "float16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_dtype(dtype: str, config, device: str, native_bf16: bool | None = None) -> torch.dtype:
+    """`--dtype`; `auto` is the checkpoint's half dtype on GPU (bfloat16 for a float32 one),
+    and on CPU bfloat16 for a bfloat16/float16 checkpoint where the CPU has native bfloat16
+    (`native_bf16`, detected when None), float32 otherwise: a float32 checkpoint stays exact,
+    and without native bfloat16 every bfloat16 multiply is emulated through conversions
+    (docs/benchmarks.md, "--dtype auto on CPU")."""
     if dtype != "auto":
         return getattr(torch, dtype)
-    if device == "cpu":
-        return torch.float32
     config_dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
-    if config_dtype in (torch.bfloat16, torch.float16, "bfloat16", "float16"):
+    if device == "cpu":
+        half = config_dtype in _HALF_DTYPES
+        native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+        return torch.bfloat16 if half and native else torch.float32
+    if config_dtype in _HALF_DTYPES:
         return getattr(torch, config_dtype) if isinstance(config_dtype, str) else config_dtype
     return torch.bfloat16
 

@@ -40,13 +40,14 @@ def test_bench_one_batch_smoke(tiny_llama_dir, tmp_path, capsys):
     rc = bench_one_batch.main(["--model-path", str(tiny_llama_dir), "--batch-size", "1", "3", "--input-len", "16",
                                "--output-len", "4", "--output-file", str(out), "--device", "cpu"])
     assert rc == 0
-    assert "prefill tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prefill tok/s" in printed and "x floor" in printed and "memory bandwidth" in printed
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
         assert r["input_len"] == 16 and r["output_len"] == 4
         for key in ("prefill_latency", "prefill_throughput", "median_decode_latency", "median_decode_throughput",
-                    "total_latency", "overall_throughput"):
+                    "total_latency", "overall_throughput", "decode_floor", "floor_multiple"):
             assert r[key] > 0, key
 
 

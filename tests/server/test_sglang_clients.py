@@ -168,8 +168,9 @@ def test_sglang_fields_accepted_or_named(client):
           "lora_path": None, "image_data": None, "return_hidden_states": False, "session_id": "s1",
           "priority": 3, "custom_labels": {"a": "b"}, "some_future_field": 1}
     assert client.post("/generate", json=ok).status_code == 200
-    bad = [({"sampling_params": {"regex": "[a-z]+"}}, "sampling_params.regex: structured output is not supported"),
-           ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema: structured output"),
+    bad = [({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag: structured output is "
+                                                           "not supported"),
+           ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
            ({"sampling_params": {"stop_regex": ["x+"]}}, "sampling_params.stop_regex:"),
            ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense: unknown"),
            ({"lora_path": "adapter-a"}, "lora_path: LoRA is not supported yet"),

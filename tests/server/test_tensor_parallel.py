@@ -10,6 +10,7 @@ leaving nothing behind."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import httpx
@@ -80,6 +81,17 @@ def test_seeded_sampling_equals_tp1(server, tp2_server):
     unseeded = {tuple(_generate(tp2_server.base_url, "Hello", logprobs=False, temperature=1.0)["output_ids"])
                 for _ in range(3)}
     assert len(unseeded) > 1  # unseeded requests still draw fresh noise
+
+
+def test_constrained_outputs_equal_tp1(server, tp2_server):
+    """Every rank compiles the grammar and admits the request in the same step (the
+    grammar queue waits for the compile under TP), so both ranks mask alike."""
+    regex = r"[a-z]{2,6}-[0-9]{2}"
+    for seed, prompt in enumerate(PROMPTS):
+        params = {"temperature": 0.9, "sampling_seed": 7 + seed, "regex": regex}
+        one = _generate(server.base_url, prompt, logprobs=False, **params)
+        two = _generate(tp2_server.base_url, prompt, logprobs=False, **params)
+        assert two["output_ids"] == one["output_ids"] and re.fullmatch(regex, two["text"]), (one, two)
 
 
 def test_replicated_kv_head_matches_transformers(tiny_mqa_dir):

@@ -46,21 +46,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Keys gathered as a [bs, max_len] block with a length mask, one SDPA call.
 
         Only the key axis of attention is blocked; the model never computes padded tokens.
-        The query heads sharing a KV head are SDPA's query axis ([bs, kv_heads, group, D]),
-        so each KV head is read once, and SDPA runs in float32 whatever the pool's dtype:
-        PyTorch's CPU flash kernel in bfloat16 is 5-10x slower on one-token queries than
-        upcasting (docs/benchmarks.md, "Where a decode step goes"), and less exact."""
+        The query heads sharing a KV head are SDPA's query axis ([bs, kv_heads, group, D])
+        rather than `enable_gqa` over one-token queries: each KV head is read once, and
+        PyTorch's CPU flash kernel in bfloat16 runs 5-10x faster than on one-token queries
+        (docs/benchmarks.md, "Where a decode step goes")."""
         bs = fb.batch_size
         table, valid = self.forward_metadata
         max_len = table.shape[1]
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).float()
-        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).float()
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling)
-        return out.to(q.dtype).reshape(bs, num_heads * head_dim)
+        return out.reshape(bs, num_heads * head_dim)
 
     def _kv_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[bs, max_len] KV slots of each request (slot 0 past its end) and the validity mask.

@@ -1,0 +1,87 @@
+"""What the hardware allows for one decode step: `bench_one_batch --floor`.
+
+A decode step must read every weight once and each request's KV cache once, and do
+2 FLOPs per weight per request plus the attention's 4 * seq_len * heads * head_dim per
+request and layer. Its floor is the larger of (bytes / measured memory bandwidth) and
+(FLOPs / measured matmul throughput at the batch's row count, in the model's dtype);
+the step's latency over that floor says how far the engine is from the machine.
+
+Bandwidth is measured by summing a buffer far larger than the caches, matmul throughput
+by `F.linear` of the batch's rows against a 1024 x 1024 weight that stays in cache (so
+that a few rows measure the arithmetic, not the memory again); each is the best of a few
+tries, with the thread count the step runs with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.linear import LinearBase
+
+_BANDWIDTH_BYTES = 512 * 2**20
+_MATMUL_DIM = 1024
+_TRIES = 5
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    """One decode step's work and its lower bound on this machine."""
+
+    bytes_read: int
+    flops: int
+    bandwidth: float  # bytes/s
+    matmul_flops: float  # FLOP/s
+    floor_s: float
+
+
+def _best_time(fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(_TRIES):
+        tic = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def measure_bandwidth() -> float:
+    """Read bandwidth (bytes/s) of summing a 512 MiB buffer."""
+    buf = torch.ones(_BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    return _BANDWIDTH_BYTES / _best_time(lambda: buf.sum())
+
+
+def measure_matmul_flops(rows: int, dtype: torch.dtype) -> float:
+    """FLOP/s of `F.linear` with `rows` rows against a cache-resident 1024 x 1024 weight in `dtype`."""
+    x = torch.randn(rows, _MATMUL_DIM).to(dtype)
+    w = torch.randn(_MATMUL_DIM, _MATMUL_DIM).to(dtype)
+    return 2 * rows * _MATMUL_DIM * _MATMUL_DIM / _best_time(lambda: F.linear(x, w))
+
+
+def linear_weight_elements(model: nn.Module) -> int:
+    """Weights every token multiplies (all linear layers, the LM head included), whether
+    held as `weight` or only by a packed kernel."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            kernel = module.kernel
+            total += (kernel.out_features * kernel.in_features if kernel is not None and module.weight.numel() == 0
+                      else module.weight.numel())
+    return total
+
+
+def decode_floor(model: nn.Module, dtype: torch.dtype, seq_lens: list[int], num_layers: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, bandwidth: float, matmul_flops: float) -> DecodeFloor:
+    """The floor of one decode step of requests with KV lengths `seq_lens`."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    weights = linear_weight_elements(model)
+    tokens = sum(seq_lens)
+    kv_bytes = tokens * num_layers * 2 * num_kv_heads * head_dim * size
+    bytes_read = weights * size + kv_bytes
+    flops = 2 * len(seq_lens) * weights + 4 * tokens * num_layers * num_heads * head_dim
+    floor_s = max(bytes_read / bandwidth, flops / matmul_flops)
+    return DecodeFloor(bytes_read, flops, bandwidth, matmul_flops, floor_s)
