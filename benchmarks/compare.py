@@ -882,7 +882,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-all-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="let vLLM compute on every core (VLLM_CPU_OMP_THREADS_BIND; default on)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    p.add_argument("--out", type=Path, default=Path("/tmp/tandem-bench/report.md"),
+                   help="the report (docs/benchmarks.md holds hand-written sections too: render into it "
+                        "only by choice, with --from-jsonl)")
     p.add_argument("--results-jsonl", type=Path, default=Path("/tmp/tandem-bench/results.jsonl"))
     p.add_argument("--from-jsonl", type=Path, default=None,
                    help="render --out from saved rows instead of running anything")
