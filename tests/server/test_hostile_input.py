@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import threading
 import time
 
@@ -209,7 +210,10 @@ def test_health_answers_while_a_large_body_is_tokenized(server, client):
         time.sleep(0.05)
     worker.join()
     assert done["status"] == 200 and done["seconds"] > 1.0, done  # the health checks overlapped it
-    assert len(latencies) >= 5 and max(latencies) < 0.5, latencies
+    # A blocked event loop would hold one /health for most of the tokenization; a loaded
+    # machine may delay a single answer by a few hundred ms, so the bound is relative.
+    assert len(latencies) >= 5, latencies
+    assert statistics.median(latencies) < 0.1 and max(latencies) < done["seconds"] / 2, (latencies, done)
 
 
 # ---- item 5: deeply nested JSON -------------------------------------------------------
