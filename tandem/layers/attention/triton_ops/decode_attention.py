@@ -33,6 +33,27 @@ def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN:
 
 
 @triton.jit
+def attend_block(q, K_Buffer, V_Buffer, Row_slots, offs_n, mask_n, visible, kv_head, offs_d, mask_d,
+                 stride_kb, stride_kh, stride_vb, stride_vh, sm_scale, acc, e_sum, e_max,
+                 DOT_PRECISION: tl.constexpr):
+    """Fold one block of keys (positions `offs_n`, valid where `mask_n`, seen by each query
+    row where `visible`) into the online softmax (`acc`, `e_sum`, `e_max`): K and V are
+    read from the pool through the request's page-table row `Row_slots`."""
+    slots = tl.load(Row_slots + offs_n, mask=mask_n, other=0)
+    k = tl.load(K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    v = tl.load(V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    new_max = tl.maximum(tl.max(qk, 1), e_max)
+    rescale = tl.exp(e_max - new_max)
+    p = tl.exp(qk - new_max[:, None])
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+    return acc, e_sum * rescale + tl.sum(p, 1), new_max
+
+
+@triton.jit
 def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, sm_scale,
                    stride_r2t, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -58,19 +79,10 @@ def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_le
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0)
-            k = tl.load(K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            v = tl.load(V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            new_max = tl.maximum(tl.max(qk, 1), e_max)
-            rescale = tl.exp(e_max - new_max)
-            p = tl.exp(qk - new_max[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-            e_sum = e_sum * rescale + tl.sum(p, 1)
-            e_max = new_max
+            acc, e_sum, e_max = attend_block(
+                q, K_Buffer, V_Buffer, Req_to_token + row * stride_r2t, offs_n, mask_n, mask_n[None, :],
+                kv_head, offs_d, mask_d, stride_kb, stride_kh, stride_vb, stride_vh, sm_scale,
+                acc, e_sum, e_max, DOT_PRECISION)
         out = Att_Out + bid * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_d[None, :]
         tl.store(out, acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
         tl.store(Att_Lse + bid * stride_lb + heads * stride_lh + split_id, e_max + tl.log(e_sum), mask=mask_h)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers.attention.triton_ops.decode_attention import dot_precision
+from tandem.layers.attention.triton_ops.decode_attention import attend_block, dot_precision
 
 BLOCK_M = 32
 BLOCK_N = 32
@@ -49,21 +49,12 @@ def _extend_fwd(Q, K_Buffer, V_Buffer, O, Req_to_token, Req_pool_indices, Seq_le
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(Req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0)
-            k = tl.load(K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale
             visible = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            v = tl.load(V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             # Every row sees key 0, so the running max is finite after the first block.
-            new_max = tl.maximum(tl.max(qk, 1), e_max)
-            rescale = tl.exp(e_max - new_max)
-            p = tl.exp(qk - new_max[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-            e_sum = e_sum * rescale + tl.sum(p, 1)
-            e_max = new_max
+            acc, e_sum, e_max = attend_block(
+                q, K_Buffer, V_Buffer, Req_to_token + row * stride_r2t, offs_n, mask_n, visible,
+                kv_head, offs_d, mask_d, stride_kb, stride_kh, stride_vb, stride_vh, sm_scale,
+                acc, e_sum, e_max, DOT_PRECISION)
         out = O + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
         tl.store(out, (acc / e_sum[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
