@@ -251,6 +251,10 @@ class ServerArgs:
         add("--cuda-graph-bs", type=int, nargs="+", default=None,
             help="The batch sizes to capture (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs); "
                  "a batch runs padded to the smallest captured size that holds it.")
+        add("--enable-torch-compile", action="store_true",
+            help="torch_native attention: decode reads the paged KV pool in place through a kernel "
+                 "compiled by torch.compile (Inductor; needs a C++ compiler), compiled at start "
+                 "(5-40 s on 2 CPU cores) for every batch size and length.")
         add("--enable-metrics", action="store_true",
             help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).")
         add("--log-requests", action="store_true",

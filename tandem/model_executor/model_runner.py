@@ -129,7 +129,7 @@ class ModelRunner:
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
             server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
-            self.model.model.layers[0].self_attn.num_heads, self.head_dim)
+            self.model.model.layers[0].self_attn.num_heads, self.head_dim, server_args.enable_torch_compile)
         self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
         self.cuda_graph_runner = self._init_cuda_graphs()
         self.sampler = Sampler(server_args.random_seed, self.device)

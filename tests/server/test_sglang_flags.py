@@ -11,12 +11,12 @@ import httpx
 from server_launcher import ServerHandle
 from tandem.sglang_flags import COMPAT_FLAGS
 
-NO_EFFECT_ARGS = ["--trust-remote-code", "--enable-torch-compile",
+NO_EFFECT_ARGS = ["--trust-remote-code",
                   "--enable-cache-report", "--allow-auto-truncate", "--show-time-cost", "--revision", "main"]
 WORKING_ARGS = ["--tp-size", "1", "--dp-size", "1", "--tokenizer-worker-num", "1", "--page-size", "1",
                 "--kv-cache-dtype", "auto", "--attention-backend", "torch_native", "--log-level-http", "warning",
                 "--disable-overlap-schedule", "--log-requests", "--enable-metrics", "--disable-cuda-graph",
-                "--cuda-graph-max-bs", "8"]
+                "--cuda-graph-max-bs", "8", "--enable-torch-compile"]
 
 
 def test_dummy_weights_and_sglang_flags(tiny_llama_dir, tmp_path):

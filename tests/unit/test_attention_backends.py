@@ -4,13 +4,10 @@ a chunked prefill; the registry refuses unknown names."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton backend is untested")
 
 from runner_steps import greedy_steps, make_runner  # noqa: E402

@@ -6,13 +6,10 @@ logits of eager decode. The graphs themselves run in tests/cuda."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton backend is untested")
 
 from runner_steps import greedy_steps, make_runner  # noqa: E402

@@ -3,6 +3,8 @@ extend, blocked decode and segmented decode agree, and unused pool slots never l
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], H * D)
 
 
-def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32):
+def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False):
     torch.manual_seed(0)
     kv = TokenToKVPool(200, 1, KVH, D, dtype, "cpu")
     assert all(buf[0].eq(0).all() for buf in kv.k_buffer + kv.v_buffer), "slot 0 is the zeroed padding slot"
@@ -38,7 +40,7 @@ def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32):
         k, v = torch.randn(n, KVH, D).to(dtype).float(), torch.randn(n, KVH, D).to(dtype).float()
         kv.set_kv(0, slots, k.to(dtype), v.to(dtype))
         per_req.append((row, slots, k, v))
-    return TorchNativeAttnBackend(rows, kv), per_req
+    return TorchNativeAttnBackend(rows, kv, enable_torch_compile, H), per_req
 
 
 def batch(mode: ForwardMode, per_req, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
@@ -94,3 +96,38 @@ def test_extend_with_prefix_matches_reference():
     expected = torch.cat([reference(q[:6], per_req[0][2], per_req[0][3], 0),
                           reference(q[6:], per_req[1][2], per_req[1][3], 6)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _cpp_compiler() -> str | None:
+    """Inductor's C++ compiler on this machine, if any (compiled CPU kernels need one)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return shutil.which(get_cpp_compiler())
+    except Exception:  # torch raises various errors when no compiler is found
+        return None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_compiled_decode_matches_eager_without_compiling_on_a_request(dtype, tol):
+    """--enable-torch-compile: the compiled in-place decode equals the eager gather + SDPA on
+    a ragged batch, and it was compiled when the backend was built (no compile on the request)."""
+    if _cpp_compiler() is None:  # checked here, not at collection (it imports Triton)
+        pytest.skip("--enable-torch-compile needs Inductor's C++ compiler (g++ or clang++), not found here")
+    from torch._dynamo.utils import counters
+
+    seq_lens = [5, 9, 7, 6]  # ragged, lengths similar enough for the blocked path
+    compiled, per_req = setup(seq_lens, dtype, enable_torch_compile=True)
+    eager, _ = setup(seq_lens, dtype)
+    outs = []
+    compiles_before = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():  # as the model runs: q and the slot table are inference tensors
+        q = torch.randn(len(seq_lens), H * D).to(dtype)
+        for backend in (compiled, eager):
+            fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
+            assert backend._padded_waste_ok(fb)
+            backend.init_forward_metadata(fb)
+            outs.append(backend.forward(q, 0, fb, D ** -0.5, H, KVH, D))
+    assert counters["stats"]["unique_graphs"] == compiles_before, "decode compiled on a request"
+    assert outs[0].dtype == dtype
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)

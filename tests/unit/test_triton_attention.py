@@ -2,18 +2,15 @@
 pool: ragged batches, short and long (split-K) contexts, GQA ratios, head sizes that are
 not a power of two, extend over a cached prefix, and a prefill run in chunks.
 
-On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
-Triton is imported); on CUDA they run compiled, and the `cuda` case checks bfloat16 too."""
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before Triton is imported); on CUDA they run compiled, and the `cuda` case checks bfloat16 too."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton kernels are untested")
 
 from tandem.forward_batch import ForwardBatch, ForwardMode  # noqa: E402

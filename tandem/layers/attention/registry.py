@@ -14,13 +14,15 @@ from tandem.layers.attention.base import AttentionBackend
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
-def _torch_native(req_to_token_pool, token_to_kv_pool, num_heads, head_dim) -> AttentionBackend:
+def _torch_native(req_to_token_pool, token_to_kv_pool, num_heads, head_dim,
+                  enable_torch_compile) -> AttentionBackend:
     from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 
-    return TorchNativeAttnBackend(req_to_token_pool, token_to_kv_pool)
+    return TorchNativeAttnBackend(req_to_token_pool, token_to_kv_pool, enable_torch_compile, num_heads)
 
 
-def _triton(req_to_token_pool, token_to_kv_pool, num_heads, head_dim) -> AttentionBackend:
+def _triton(req_to_token_pool, token_to_kv_pool, num_heads, head_dim, enable_torch_compile) -> AttentionBackend:
+    """Its kernels are compiled already: `--enable-torch-compile` changes nothing here."""
     if req_to_token_pool.req_to_token.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--attention-backend triton: the kernels need CUDA, or on CPU Triton's interpreter "
                          "(TRITON_INTERPRET=1, for tests)")
@@ -36,8 +38,9 @@ ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 
 
 def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                             num_heads: int, head_dim: int) -> AttentionBackend:
-    """The backend `name` for this rank's `num_heads` query heads of `head_dim`."""
+                             num_heads: int, head_dim: int, enable_torch_compile: bool = False) -> AttentionBackend:
+    """The backend `name` for this rank's `num_heads` query heads of `head_dim`;
+    `enable_torch_compile` (`--enable-torch-compile`) compiles torch_native's decode."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend: unknown backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](req_to_token_pool, token_to_kv_pool, num_heads, head_dim)
+    return ATTENTION_BACKENDS[name](req_to_token_pool, token_to_kv_pool, num_heads, head_dim, enable_torch_compile)

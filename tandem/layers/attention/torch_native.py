@@ -9,6 +9,9 @@ Requests are ragged and never padded to the longest one in the batch:
   the keys of all requests go on one flat axis tagged with their request and the softmax
   is taken per segment (scatter/index_add), so no key is read twice or padded.
   Gathers use index_select: on CPU it is several times faster than advanced indexing.
+  With `--enable-torch-compile` the blocked path instead runs `paged_decode` compiled by
+  Inductor, which reads K and V through the slot table in place (no gathered copy); it is
+  compiled when the backend is built (server start), not on the first request.
 """
 
 from __future__ import annotations
@@ -21,11 +24,58 @@ from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.forward_batch import ForwardBatch
 
 
+def paged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, table: torch.Tensor,
+                 valid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One-token attention per request over its KV slots, written for Inductor to fuse.
+
+    q [bs, kv_heads, group, D]; k/v_buffer [slots, kv_heads, D], one layer of the pool;
+    table/valid [bs, max_len] (`_kv_table`); scale a 0-dim float32 tensor (a Python float
+    would be compiled in as a constant). Returns [bs, kv_heads * group * D] in q's dtype,
+    computed in float32. Eager, this gathers; compiled, the indexing becomes loads inside
+    one loop, so the pool is read in place."""
+    bs, kv_heads, group, head_dim = q.shape
+    k = k_buffer[table].float()  # [bs, L, kv_heads, D]
+    v = v_buffer[table].float()
+    scores = (q.float().unsqueeze(1) * k.unsqueeze(3)).sum(-1) * scale  # [bs, L, kv_heads, group]
+    scores = scores.masked_fill(~valid.view(bs, -1, 1, 1), float("-inf"))
+    out = (scores.softmax(dim=1).unsqueeze(-1) * v.unsqueeze(3)).sum(1)  # [bs, kv_heads, group, D]
+    return out.to(q.dtype).reshape(bs, kv_heads * group * head_dim)
+
+
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
+                 enable_torch_compile: bool = False, num_heads: int = 1):
+        """`enable_torch_compile`: blocked decode runs `paged_decode` through `torch.compile`,
+        compiled here (before the first request) for this rank's `num_heads` query heads."""
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = token_to_kv_pool
         self.forward_metadata: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.compiled_decode = torch.compile(paged_decode) if enable_torch_compile else None
+        if self.compiled_decode is not None:
+            self._compile_decode(num_heads)
+
+    @torch.inference_mode()
+    def _compile_decode(self, num_heads: int) -> None:
+        """Compile `paged_decode` for every shape it will meet, under inference mode as the
+        model's forward runs (a graph assumes its grad mode). The batch and key-length axes
+        are marked dynamic, other sizes are the model's. A dynamic size still specializes
+        on 1, so batch 1 and batch >= 2 are one graph each (decode lengths are >= 2); the
+        sizes 2 and 3 differ so that no equality between the axes is assumed. The inputs
+        read only slot 0, the zeroed padding slot."""
+        k_buffer = self.kv_pool.k_buffer[0]
+        _, kv_heads, head_dim = k_buffer.shape
+        for bs in (1, 2):
+            q = torch.zeros(bs, kv_heads, num_heads // kv_heads, head_dim, dtype=k_buffer.dtype,
+                            device=k_buffer.device)
+            table = torch.zeros(bs, 3, dtype=self.req_to_token.dtype, device=k_buffer.device)
+            valid = table == 0
+            for tensor in (table, valid):
+                torch._dynamo.mark_dynamic(tensor, 1)
+            if bs > 1:
+                for tensor in (q, table, valid):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            self.compiled_decode(q, k_buffer, self.kv_pool.v_buffer[0], table, valid,
+                                 torch.tensor(head_dim ** -0.5))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Decode: each request's KV table, shared by every layer (see `_kv_table`)."""
@@ -52,13 +102,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         (docs/benchmarks.md, "Where a decode step goes")."""
         bs = fb.batch_size
         table, valid = self.forward_metadata
+        qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if self.compiled_decode is not None:
+            return self.compiled_decode(qg, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
+                                        table, valid, torch.tensor(scaling))
         max_len = table.shape[1]
         flat = table.reshape(-1)
         k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
         v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling)
         return out.reshape(bs, num_heads * head_dim)
 
