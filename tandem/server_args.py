@@ -59,7 +59,8 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
     enable_mixed_chunk: bool = False
-    disable_overlap_schedule: bool = False
+    # None: the device's default (the overlap loop on CUDA, the normal loop on CPU).
+    disable_overlap_schedule: bool | None = None
     watchdog_timeout: float = 300.0
     graceful_shutdown_timeout: float = 30.0
     log_level_http: str | None = None
@@ -119,6 +120,11 @@ class ServerArgs:
             self.chunked_prefill_size = default_chunked_prefill_size(self.device)
         if self.attention_backend is None:  # SGLang's default for the device
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch_native"
+        if self.disable_overlap_schedule is None:
+            # On CPU the forward computes on the cores the scheduler's Python would overlap
+            # it with (and shares its GIL): the normal loop is faster there (measured in
+            # docs/benchmarks.md, "Overlap on CPU"), as vLLM turns async scheduling off on CPU.
+            self.disable_overlap_schedule = self.device == "cpu"
 
     def validate(self) -> None:
         """Raise ValueError for values that can never work, naming the flag; log each
@@ -227,9 +233,11 @@ class ServerArgs:
         add("--enable-mixed-chunk", action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "
                  "instead of pausing them for it.")
-        add("--disable-overlap-schedule", action="store_true",
+        add("--disable-overlap-schedule", action="store_true", default=None,
             help="Run the normal scheduler loop: process each batch's result before forming the next, "
-                 "instead of while the next one computes.")
+                 "instead of while the next one computes (default on CPU).")
+        add("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_false", default=None,
+            help="Run the overlap loop on CPU too (the default on CUDA).")
         add("--watchdog-timeout", type=float, default=300.0,
             help="If a forward step takes longer than this many seconds, dump the stacks and the batch "
                  "to the log and bring the server down (a hung server is worse than none).")

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.json_body import JSONBodyRoute, parse_json_body
 from tandem.entrypoints.limits import BodySizeLimit
-from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.errors import OpenAIError, json_response
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.sglang_routes import add_sglang_routes
 from tandem.entrypoints.weight_routes import add_weight_routes
@@ -55,10 +55,6 @@ _METRICS_STATE_TIMEOUT_S = 5.0
 def error_response(message: str, status: int = 400) -> Response:
     kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
     return json_response({"error": {"message": message, "type": kind, "code": status}}, status)
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def error_for_path(path: str, message: str, status: int) -> Response:

@@ -1,19 +1,34 @@
-"""RMSNorm as Llama/Qwen define it (computed in float32, cast back)."""
+"""RMSNorm as Llama/Qwen define it, with the residual add folded into the call (SGLang's
+`RMSNorm.forward(x, residual)`)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """`forward(x)`: `x / sqrt(mean(x^2) + eps) * weight`, computed in float32 as Hugging
+    Face does. `forward(x, residual)`: `(norm(x + residual), x + residual)`, the sum in the
+    model's dtype as Hugging Face's residual add, returned to be the next residual.
+
+    The normalization is one call of `torch.nn.functional.rms_norm` (on CPU PyTorch runs
+    its composite in C++: the same float32 kernels as the formula, without a Python call
+    each). It returns `x * rsqrt(...)` rounded to `x`'s dtype; the weight is applied
+    after, in `x`'s dtype, as Hugging Face rounds before it scales (float32: the same
+    result as passing the weight in)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps).mul_(self.weight)

@@ -28,8 +28,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates heads by their token's position ("rotate halves", as Hugging Face Llama).
+
+    `cos_sin_cache` [max_position, 2, rotary_dim] holds each position's cos and signed sin
+    over the full rotary width, so that `rotate_half(x) * sin == roll(x, half) * [-sin, sin]`
+    (no split and concatenation). The table has `dtype`, by default torch's default dtype,
+    which the model runner sets to the model's while it builds the model: Hugging Face
+    casts cos and sin to the activations' dtype and rotates in that dtype, so float32
+    models rotate in float32 and bfloat16 models in bfloat16, as there.
+    """
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None):
+                 rope_scaling: dict | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
@@ -49,23 +59,18 @@ class RotaryEmbedding(nn.Module):
         elif kind not in ("default", None):
             raise ValueError(f"rope_scaling type {kind!r} is not supported")
         freqs = torch.outer(positions, inv_freq)
-        cos, sin = freqs.cos().float(), freqs.sin().float()
-        # float32 tables over the full rotary width, as HF builds them. rotate_half(x) * sin
-        # equals roll(x, half) * [-sin, sin], which saves the split and concatenation.
-        self.register_buffer("cos_cache", torch.cat([cos, cos], dim=-1), persistent=False)
-        self.register_buffer("sin_cache", torch.cat([-sin, sin], dim=-1), persistent=False)
+        cos, sin = freqs.cos().float(), freqs.sin().float()  # float32 first, as HF computes them
+        table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+        self.register_buffer("cos_sin_cache", table.to(dtype or torch.get_default_dtype()), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = torch.index_select(self.cos_cache, 0, positions).unsqueeze(1)
-        sin = torch.index_select(self.sin_cache, 0, positions).unsqueeze(1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
-
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`x` rotated: [tokens, heads, head_dim], any heads of each token (the query and
+        key heads side by side, a view of the QKV projection's output, in one call).
+        Returns a new contiguous tensor of `x`'s shape."""
+        cos_sin = torch.index_select(self.cos_sin_cache, 0, positions).unsqueeze(2)  # [T, 2, 1, R]
+        cos, sin = cos_sin[:, 0], cos_sin[:, 1]
         half = self.rotary_dim // 2
         if self.rotary_dim == x.shape[-1]:
-            xf = x.float()
-            return (xf * cos + torch.roll(xf, half, dims=-1) * sin).to(x.dtype)
-        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
-        rotated = rot * cos + torch.roll(rot, half, dims=-1) * sin
-        return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+            return x * cos + torch.roll(x, half, dims=-1) * sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat([rot * cos + torch.roll(rot, half, dims=-1) * sin, rest], dim=-1)

@@ -203,6 +203,7 @@ class ScheduleBatch:
                                   for i, r in enumerate(self.reqs)] if extend else None,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
+            num_prefill=self.num_prefill,
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:

@@ -529,8 +529,8 @@ class Scheduler:
             self._record_input_logprobs(req, result.input_logprobs[i])
         if prefilling and req.kv_len < req.seq_len:  # a chunk of a longer prompt
             self.kv.cache_unfinished(req)
-            if req.to_abort is not None:
-                req.finished_reason = {"type": "abort", "message": req.to_abort}
+            req.finished_reason = self._abort_reason(req)
+            if req.finished():
                 self.chunked_req = None
                 self.kv.release(req)
             return
@@ -550,14 +550,17 @@ class Scheduler:
             req.grammar.accept_token(token_id)
         if req.return_logprob:
             self._record_output_logprobs(req, result, i, token_id)
-        if req.to_abort is not None:
-            req.finished_reason = {"type": "abort", "message": req.to_abort}
-        else:
-            req.finished_reason = self.finish_checker.check(req)
+        req.finished_reason = self._abort_reason(req) or self.finish_checker.check(req)
         if req.finished():
             self.kv.release(req)
         elif prefilling:
             self.running.append(req)
+
+    @staticmethod
+    def _abort_reason(req: Req) -> dict[str, Any] | None:
+        """The abort finish of `req` when an abort came while it was in a batch
+        (`handle_abort` sets `to_abort`), else None."""
+        return None if req.to_abort is None else {"type": "abort", "message": req.to_abort}
 
     def _abort_on_error(self, req: Req, where: str, exc: Exception) -> None:
         """End `req` alone after handling it raised: an error finish, its KV released (a

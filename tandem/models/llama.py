@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -71,13 +71,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, ctx: ModelContext):
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rotary_emb(positions, self.q_norm(q)), self.rotary_emb(positions, self.k_norm(k))
+        else:  # query and key heads rotated in one call
+            q, k = self.rotary_emb(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         out = ctx.attn_backend.forward(q, self.layer_id, fb, self.scaling, self.num_heads,
                                        self.num_kv_heads, self.head_dim)
@@ -90,10 +91,10 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp_rank, tp_size)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,9 +105,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, fb, ctx):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), fb, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, fb, ctx):
+        """(MLP output, residual): the residual adds happen in the next norm's call
+        (SGLang's layout); `residual` is None for the first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,10 +127,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, fb, ctx):
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, fb, ctx)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,6 @@
 """Data parallelism on a real server (--dp-size 2 --tp-size 2: two replicas of two TP
 ranks each behind the data-parallel controller, --load-balance-method shortest_queue,
-8-token prefill chunks, the radix cache and the overlap loop; round_robin and the
+8-token prefill chunks, the radix cache and the overlap loop (--enable-overlap-schedule); round_robin and the
 controller's routing are tested in-process in tests/unit/test_data_parallel_controller.py).
 
 Concurrent greedy requests give --dp-size 1 --tp-size 1's outputs (the session server,
@@ -29,7 +29,8 @@ PARAMS = {"max_new_tokens": 16, "temperature": 0}
 @pytest.fixture(scope="module")
 def dp2_server(tiny_llama_dir):
     with ServerHandle(tiny_llama_dir, extra_args=["--dp-size", "2", "--tp-size", "2", "--load-balance-method",
-                                                "shortest_queue", "--chunked-prefill-size", "8"]) as h:
+                                                "shortest_queue", "--chunked-prefill-size", "8",
+                                                "--enable-overlap-schedule"]) as h:
         yield h
 
 

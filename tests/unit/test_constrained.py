@@ -13,7 +13,7 @@ import re
 import jsonschema
 import pytest
 
-from scheduler_harness import SchedulerHarness
+from scheduler_harness import SchedulerHarness, loop_configurations
 from test_overlap_schedule import assert_same, prompts, run
 from tandem.constrained.grammar_key import parse_grammar, verify_grammar
 from tandem.constrained.xgrammar_backend import XGrammarBackend
@@ -80,13 +80,7 @@ def assert_all_match(h: SchedulerHarness, reqs) -> None:
             assert re.fullmatch(r"\((?:[a-c]|x\d)(?:,(?:[a-c]|x\d)){0,2}\)", text), text
 
 
-@pytest.mark.parametrize("server_args", [
-    {},
-    {"chunked_prefill_size": 8},
-    {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
-    {"disable_radix_cache": True},
-    {"max_total_tokens": 120, "chunked_prefill_size": 16},  # retractions
-], ids=["default", "chunked", "mixed-chunk", "no-radix", "small-pool"])
+@pytest.mark.parametrize("server_args", loop_configurations(small_pool_tokens=120))
 def test_outputs_match_their_grammar_in_both_loops(tiny_llama_dir, server_args):
     reqs = constrained_workload()
     normal = run(tiny_llama_dir, False, reqs, **SERVER_ARGS, **server_args)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from scheduler_harness import SchedulerHarness
+from scheduler_harness import SchedulerHarness, loop_configurations
 from tandem.managers.forward_executor import ForwardStats
 from tandem.managers.future_map import FutureMap
 
@@ -97,13 +97,7 @@ def stop_string(model_dir) -> str:
     return text
 
 
-@pytest.mark.parametrize("server_args", [
-    {},
-    {"chunked_prefill_size": 8},
-    {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
-    {"disable_radix_cache": True},
-    {"max_total_tokens": 90, "chunked_prefill_size": 16},  # retractions
-], ids=["default", "chunked", "mixed-chunk", "no-radix", "small-pool"])
+@pytest.mark.parametrize("server_args", loop_configurations(small_pool_tokens=90))
 def test_overlap_matches_normal_loop(tiny_llama_dir, server_args):
     reqs = workload(stop_string(tiny_llama_dir))
     normal = run(tiny_llama_dir, False, reqs, **server_args)
@@ -146,6 +140,26 @@ def test_abort_mid_stream(tiny_llama_dir):
             h.assert_memory_idle()
         finally:
             h.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_abort_between_chunks_of_a_prompt(tiny_llama_dir, overlap):
+    """An abort while a long prompt is prefilled chunk by chunk: it ends with abort and no
+    tokens, leaves the chunk slot, and its KV comes back once."""
+    h = SchedulerHarness(tiny_llama_dir, disable_overlap_schedule=not overlap, chunked_prefill_size=8)
+    try:
+        h.submit("long", input_ids=prompts(6)[5], stream=True, max_new_tokens=10)  # 44 tokens: 6 chunks
+        h.step()
+        assert h.scheduler.chunked_req is not None
+        h.abort("long")
+        h.run_until_idle()
+        assert h.collected.finishes["long"] == {"type": "abort", "message": "aborted"}
+        assert h.collected.ids["long"] == []
+        assert h.scheduler.chunked_req is None
+        h.assert_released_once()
+        h.assert_memory_idle()
+    finally:
+        h.close()
 
 
 def test_stress_short_requests_arriving_while_others_finish(tiny_llama_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_harness import SchedulerHarness
+from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 
 SYSTEM = ("You are a helpful assistant who answers questions about the weather, the sea, "
           "and small animals in a friendly and careful way. ")
@@ -98,9 +99,14 @@ def test_small_kv_pool_retracts_and_completes(tiny_llama_dir, tokenized, referen
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop):
+def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop, monkeypatch):
     """Prefills (chunked, with prompt logprobs) run while another request decodes, so
-    every prefill forward carries that request's decode step too."""
+    every prefill forward carries that request's decode step too (attention splits each
+    such forward into its prefill and decode parts)."""
+    mixed_attention_calls = []
+    split = TorchNativeAttnBackend._forward_mixed
+    monkeypatch.setattr(TorchNativeAttnBackend, "_forward_mixed",
+                        lambda self, *args: mixed_attention_calls.append(args[0]) or split(self, *args))
     logprobs = {"return_logprob": True, "logprob_start_len": 0}
     ref = open_harness(tiny_llama_dir, loop)
     try:
@@ -119,6 +125,7 @@ def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop)
                 h.step()
             got.append(f"p{i}")
         assert "long" not in h.collected.finishes  # it decoded beside every prefill
+        assert mixed_attention_calls, "no mixed forward reached attention as a mixed batch"
         h.run_until_idle()
         assert len(h.collected.ids["long"]) == 400
         for g, w in zip(got, want):

@@ -118,3 +118,12 @@ def test_custom_logit_processor_flag_names_the_missing_feature():
     args = _parse("--enable-custom-logit-processor")
     with pytest.raises(ValueError, match="^--enable-custom-logit-processor .*not built"):
         args.validate()
+
+
+def test_overlap_loop_default_follows_the_device():
+    """CPU: the normal loop unless --enable-overlap-schedule; the SGLang flag still works."""
+    assert _parse("--device", "cpu").disable_overlap_schedule is True
+    assert _parse("--device", "cpu", "--enable-overlap-schedule").disable_overlap_schedule is False
+    assert _parse("--device", "cpu", "--disable-overlap-schedule").disable_overlap_schedule is True
+    assert ServerArgs(model_path="/m", device="cpu").disable_overlap_schedule is True
+    assert ServerArgs(model_path="/m", device="cpu", disable_overlap_schedule=False).disable_overlap_schedule is False

@@ -1,5 +1,6 @@
 """The torch-native attention backend against a plain per-request softmax attention:
-extend, blocked decode and segmented decode agree, and unused pool slots never leak in."""
+extend, blocked decode, segmented decode and mixed batches agree, and unused pool slots
+never leak in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tandem.layers.attention.extend_plan import MAX_PADDED_WASTE
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.forward_batch import ForwardBatch, ForwardMode
@@ -16,18 +18,19 @@ H, KVH, D = 4, 2, 8
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """q [n, H, D] at positions prefix_len.., k/v [L, KVH, D]: causal attention, GQA."""
-    k = k.repeat_interleave(H // KVH, dim=1)
-    v = v.repeat_interleave(H // KVH, dim=1)
+    """q [n, H, D] at positions prefix_len.., k/v [L, kv_heads, D]: causal attention, GQA or MHA."""
+    k = k.repeat_interleave(H // k.shape[1], dim=1)
+    v = v.repeat_interleave(H // v.shape[1], dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D ** -0.5
     qpos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
     scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], H * D)
 
 
-def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False):
+def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False,
+          kv_heads: int = KVH):
     torch.manual_seed(0)
-    kv = TokenToKVPool(200, 1, KVH, D, dtype, "cpu")
+    kv = TokenToKVPool(200, 1, kv_heads, D, dtype, "cpu")
     assert all(buf[0].eq(0).all() for buf in kv.k_buffer + kv.v_buffer), "slot 0 is the zeroed padding slot"
     for buf in kv.k_buffer + kv.v_buffer:
         buf[1:].fill_(float("nan"))  # slots no request owns must never be read
@@ -37,7 +40,7 @@ def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_
         row = rows.alloc()
         slots = kv.alloc(n)
         rows.write(row, 0, slots)
-        k, v = torch.randn(n, KVH, D).to(dtype).float(), torch.randn(n, KVH, D).to(dtype).float()
+        k, v = torch.randn(n, kv_heads, D).to(dtype).float(), torch.randn(n, kv_heads, D).to(dtype).float()
         kv.set_kv(0, slots, k.to(dtype), v.to(dtype))
         per_req.append((row, slots, k, v))
     return TorchNativeAttnBackend(rows, kv, enable_torch_compile, H), per_req
@@ -131,3 +134,102 @@ def test_compiled_decode_matches_eager_without_compiling_on_a_request(dtype, tol
     assert counters["stats"]["unique_graphs"] == compiles_before, "decode compiled on a request"
     assert outs[0].dtype == dtype
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("decode_lens", [[9, 7, 8], [3, 40, 2]])  # decode part: blocked; segmented
+def test_mixed_batch_splits_into_extend_and_decode(dtype, tol, decode_lens, monkeypatch):
+    """--enable-mixed-chunk: two prefill rows (one over a cached prefix) followed by running
+    requests decoding one token each. The prefill rows go through `forward_extend`, the decode
+    rows through `forward_decode` as a decode batch of their own, and the output equals the
+    per-request extend path over the whole batch (the unsplit batch) and the reference."""
+    seq_lens = [6, 10] + decode_lens
+    extend_lens = [6, 4] + [1] * len(decode_lens)
+    backend, per_req = setup(seq_lens, dtype)
+    q = torch.randn(sum(extend_lens), H * D).to(dtype)
+    calls = []
+
+    def spy(name: str) -> None:
+        method = getattr(backend, name)
+
+        def call(q, layer_id, fb, *rest):
+            calls.append((name, fb.forward_mode, fb.batch_size, q.shape[0]))
+            return method(q, layer_id, fb, *rest)
+        monkeypatch.setattr(backend, name, call)
+
+    spy("forward_extend")
+    spy("forward_decode")
+    mixed = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
+    mixed.num_prefill = 2
+    backend.init_forward_metadata(mixed)
+    out = backend.forward(q, 0, mixed, D ** -0.5, H, KVH, D)
+    assert calls == [("forward_extend", ForwardMode.EXTEND, 2, 10),
+                     ("forward_decode", ForwardMode.DECODE, len(decode_lens), len(decode_lens))]
+    plain = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
+    backend.init_forward_metadata(plain)
+    assert backend.mixed_parts is None
+    expected_plain = backend.forward(q, 0, plain, D ** -0.5, H, KVH, D)
+    assert out.dtype == dtype and out.shape == expected_plain.shape
+    torch.testing.assert_close(out.float(), expected_plain.float(), atol=tol, rtol=tol)
+    qf = q.float().view(-1, H, D)
+    starts = [0, 6, 10] + [10 + i for i in range(1, len(decode_lens))]
+    expected = torch.cat([reference(qf[s : s + e], k, v, n - e) for s, e, n, (_, _, k, v)
+                          in zip(starts, extend_lens, seq_lens, per_req)])
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+# (prefix_len, extend_len) per request, in batch order.
+UNIFORM = [(0, 12)] * 4  # one causal group, laid out as the batch: no gathers of q or out
+RAGGED = [(0, 7), (0, 5), (0, 1), (0, 40), (0, 6)]  # causal groups with padded queries and keys
+PREFIXED = [(0, 7), (6, 4), (30, 2), (0, 5), (20, 1), (3, 9)]  # masked groups, some without a prefix
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kv_heads", [KVH, H], ids=["gqa", "mha"])
+@pytest.mark.parametrize("reqs", [UNIFORM, RAGGED, PREFIXED], ids=["uniform", "ragged", "prefixed"])
+def test_extend_matches_reference(reqs, kv_heads, dtype, tol):
+    """Extend, with and without cached prefixes, batched into padded SDPA groups: every
+    token's output equals per-request causal attention over its own keys (the unowned pool
+    slots hold NaN, so a padded or misplaced read shows), in the pool's dtype."""
+    seq_lens = [p + n for p, n in reqs]
+    extend_lens = [n for _, n in reqs]
+    backend, per_req = setup(seq_lens, dtype, kv_heads=kv_heads)
+    q = torch.randn(sum(extend_lens), H, D).to(dtype)
+    fb = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D ** -0.5, H, kv_heads, D)
+    starts = [sum(extend_lens[:i]) for i in range(len(reqs))]
+    expected = torch.cat([reference(q[s : s + n].float(), k, v, p) for s, (p, n), (_, _, k, v)
+                          in zip(starts, reqs, per_req)])
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("reqs", [UNIFORM, RAGGED, PREFIXED], ids=["uniform", "ragged", "prefixed"])
+def test_extend_plan_groups_within_the_padding_bound(reqs):
+    """Every request is in exactly one group; a group pads its block to at most
+    MAX_PADDED_WASTE times the attention it holds; a group without a prefix has no mask
+    (SDPA's is_causal); a batch of equal prompts is one group that reads q and writes the
+    output in place (no index)."""
+    seq_lens = [p + n for p, n in reqs]
+    extend_lens = [n for _, n in reqs]
+    backend, per_req = setup(seq_lens)
+    backend.init_forward_metadata(batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens))
+    plan = backend.extend_plan
+    assert sum(g.size for g in plan.groups) == len(reqs)
+    assert sum(g.size * g.num_queries for g in plan.groups) >= sum(extend_lens)
+    for g in plan.groups:
+        assert g.slots.numel() == g.size * g.num_keys
+    if reqs is UNIFORM:
+        assert len(plan.groups) == 1 and plan.groups[0].query_index is None and plan.output_index is None
+        assert plan.groups[0].mask is None
+    else:
+        assert plan.output_index is not None
+    if reqs is RAGGED:
+        assert all(g.mask is None for g in plan.groups)
+        assert len(plan.groups) < len(reqs)  # batched, not one call per request
+    if reqs is PREFIXED:
+        assert any(g.mask is not None for g in plan.groups)
+    total_padded = sum(g.size * g.num_queries * g.num_keys for g in plan.groups)
+    total_real = sum(p * n + n * n for p, n in reqs)
+    assert total_padded <= MAX_PADDED_WASTE * total_real

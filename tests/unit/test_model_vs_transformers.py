@@ -1,0 +1,60 @@
+"""The model runner's logits and greedy tokens on CPU against transformers' on the same
+weights, in float32 (greedy equal) and bfloat16 (within its rounding), for Llama, Qwen2
+and Qwen3 (per-head q/k norms); a batch of ragged prompts through prefill and decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from runner_steps import greedy_steps, make_runner
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70)), [1, 300, 301, 302, 9, 9]]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A randomly initialised tiny Qwen3 saved by transformers (no tokenizer: the runner
+    takes token ids)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # spread the logits (random init leaves them near-uniform)
+        model.lm_head.weight.mul_(20)
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen3"
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_and_greedy_match_transformers(model_fixture, dtype, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    runner = make_runner(model_dir, dtype=dtype)
+    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None  # greedy_steps does not stop at EOS either
+    for i, prompt in enumerate(PROMPTS):
+        ref_ids, ref_logits = hf_greedy(model, prompt)
+        if dtype == "float32":
+            assert ids[i] == ref_ids, f"prompt {i}"
+            for step, ref in enumerate(ref_logits):
+                torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+        else:  # bf16 rounding (and another matmul's summation order) may flip a later near-tie
+            assert ids[i][:4] == ref_ids[:4], f"prompt {i}"
+            torch.testing.assert_close(logits[0][i], ref_logits[0], atol=5e-2 * ref_logits[0].abs().max().item(),
+                                       rtol=0)
