@@ -83,7 +83,7 @@ class ForwardExecutor:
             result.copy_done.synchronize()
         end = time.perf_counter()
         if self.compute_threads is not None and mode.is_decode():
-            self.compute_threads.observe_decode(end - start)
+            self.compute_threads.observe_decode(end - start, mwb.forward_batch.batch_size)
         self.stats.record(start, end)
         return result
 

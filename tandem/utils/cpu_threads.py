@@ -1,15 +1,18 @@
 """How many intra-op threads the scheduler's forwards use on CPU.
 
 Intra-op threads wait for each other at every kernel, so a compute thread that shares
-its core with another busy process stalls all the others. While a decode step runs, the
-HTTP and detokenizer processes are busy streaming the previous step's tokens, which
-costs them about a millisecond or two per step. So:
+its core with another busy process stalls all the others. Whether the cores are free
+depends on what else runs: the HTTP and detokenizer processes stream every step's
+tokens while the next step computes, and other programs may load the machine. So the
+policy measures instead of guessing:
 - prefill uses every core (the other processes are mostly idle meanwhile);
-- decode leaves one core to them while decode steps are short (small models: a stalled
-  thread would cost a large share of the step), and takes every core once steps are
-  long enough that the extra thread's compute outweighs that stall (large models).
-  Measured on 2 cores (docs/benchmarks.md): a 7M model streams ~15% more tokens/s with
-  one decode thread, a 100M model far more with two.
+- decode starts on every core but one, and every `PROBE_EVERY` decode steps runs
+  `PROBE_STEPS` steps on the other candidate count (every core, or every core but one).
+  When those steps cost less than `SWITCH_MARGIN` of the steps just before them (time
+  per request of the batch), decode switches to that count. Measured on 2 cores
+  (docs/benchmarks.md, "Threads"): a 100M model decodes ~1.7x faster on both cores of
+  a quiet machine, a 7M model gains nothing from the second thread, and on a machine
+  loaded with other work two threads can be several times slower than one.
 The ranks of a tensor-parallel group on one machine split its cores evenly (each rank's
 "every core" is its share), so that no two compute threads share a core.
 OMP_NUM_THREADS, when set, fixes the count for everything.
@@ -17,16 +20,22 @@ OMP_NUM_THREADS, when set, fixes the count for everything.
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.forward_batch import ForwardMode
 
-# Decode steps longer than this (seconds, moving average) get every core.
-LONG_DECODE_STEP_S = 0.030
-EMA_WEIGHT = 0.1
+logger = logging.getLogger(__name__)
+
+PROBE_STEPS = 3  # decode steps per probe, and steps compared with them
+FIRST_PROBE_AFTER = 8  # decode steps before the first probe
+PROBE_EVERY = 200  # decode steps between probes
+SWITCH_MARGIN = 0.9  # the probed count wins when its steps cost under 90%
 
 
 @dataclass
@@ -34,7 +43,10 @@ class ComputeThreads:
     cores: int
     decode: int
     current: int = 0
-    decode_step_ema: float | None = None
+    probes: int = 0  # probes done (for the first one's earlier start)
+    _since_probe: int = 0
+    _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PROBE_STEPS))
+    _probe: list[float] | None = None  # costs at `alternative()` while probing
 
     @classmethod
     def for_device(cls, device: str, ranks: int = 1) -> "ComputeThreads | None":
@@ -45,16 +57,38 @@ class ComputeThreads:
         cores = max(1, len(os.sched_getaffinity(0)) // ranks)
         return cls(cores=cores, decode=max(1, cores - 1))
 
+    def alternative(self) -> int:
+        """The decode thread count a probe tries."""
+        return max(1, self.cores - 1) if self.decode == self.cores else self.cores
+
     def apply(self, mode: ForwardMode) -> None:
         """Set the thread count for the forward about to run."""
-        wanted = self.cores if mode.is_extend() else self.decode
+        if mode.is_extend():
+            wanted = self.cores
+        else:
+            wanted = self.alternative() if self._probe is not None else self.decode
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
 
-    def observe_decode(self, seconds: float) -> None:
-        """Record a decode step's duration; long steps switch decode to every core."""
-        ema = self.decode_step_ema
-        self.decode_step_ema = seconds if ema is None else (1 - EMA_WEIGHT) * ema + EMA_WEIGHT * seconds
-        if self.decode < self.cores and self.decode_step_ema > LONG_DECODE_STEP_S:
-            self.decode = self.cores
+    def observe_decode(self, seconds: float, batch_size: int) -> None:
+        """Record a decode step (run at the count `apply` set); probe, or switch, when due."""
+        cost = seconds / max(1, batch_size)
+        if self._probe is not None:
+            self._probe.append(cost)
+            if len(self._probe) == PROBE_STEPS:
+                probed, kept = statistics.median(self._probe), statistics.median(self._recent)
+                logger.debug("decode threads: %d cost %.2f ms/request, %d cost %.2f", self.alternative(),
+                             probed * 1e3, self.decode, kept * 1e3)
+                if probed < SWITCH_MARGIN * kept:
+                    self.decode = self.alternative()
+                    self._recent.clear()
+                    self._recent.extend(self._probe)
+                self._probe, self._since_probe = None, 0
+                self.probes += 1
+            return
+        self._recent.append(cost)
+        self._since_probe += 1
+        due = FIRST_PROBE_AFTER if self.probes == 0 else PROBE_EVERY
+        if self.cores > 1 and self._since_probe >= due and len(self._recent) == PROBE_STEPS:
+            self._probe = []

@@ -1,32 +1,58 @@
-"""The CPU compute-thread policy: every core for prefill, one left free for short decode
-steps, every core once decode steps are long."""
+"""The CPU compute-thread policy: every core for prefill; decode starts on every core but
+one and probes the other count now and then, keeping whichever measured faster."""
 
 from __future__ import annotations
 
 import torch
 
 from tandem.forward_batch import ForwardMode
-from tandem.utils.cpu_threads import LONG_DECODE_STEP_S, ComputeThreads
+from tandem.utils.cpu_threads import FIRST_PROBE_AFTER, PROBE_EVERY, PROBE_STEPS, ComputeThreads
 
 
-def test_policy_switches_threads_by_mode_and_step_length():
+def run_decode(policy: ComputeThreads, steps: int, seconds_at: dict[int, float], bs: int = 4) -> list[int]:
+    """`steps` decode steps whose duration depends on the thread count `apply` set;
+    returns the counts used."""
+    used = []
+    for _ in range(steps):
+        policy.apply(ForwardMode.DECODE)
+        used.append(torch.get_num_threads())
+        policy.observe_decode(seconds_at[torch.get_num_threads()] * bs, bs)
+    return used
+
+
+def test_decode_switches_to_the_faster_count_and_back():
     before = torch.get_num_threads()
     try:
         policy = ComputeThreads(cores=2, decode=1)
         policy.apply(ForwardMode.EXTEND)
-        assert torch.get_num_threads() == 2
-        policy.apply(ForwardMode.DECODE)
-        assert torch.get_num_threads() == 1
-        for _ in range(50):
-            policy.observe_decode(LONG_DECODE_STEP_S / 3)
-        assert policy.decode == 1, "short steps keep a core free"
-        for _ in range(50):
-            policy.observe_decode(LONG_DECODE_STEP_S * 3)
-        assert policy.decode == 2
-        policy.apply(ForwardMode.DECODE)
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2, "prefill on every core"
+        # Two threads twice as fast (a large model, quiet machine): the first probe switches.
+        used = run_decode(policy, FIRST_PROBE_AFTER + PROBE_STEPS + 5, {1: 0.02, 2: 0.01})
+        assert used[:FIRST_PROBE_AFTER] == [1] * FIRST_PROBE_AFTER
+        assert used[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + PROBE_STEPS] == [2] * PROBE_STEPS
+        assert policy.decode == 2 and used[-5:] == [2] * 5
+        # Then the machine gets loaded: two threads stall. The next probe (of one thread) goes back.
+        used = run_decode(policy, PROBE_EVERY + PROBE_STEPS + 5, {1: 0.02, 2: 0.08})
+        assert used.count(1) >= PROBE_STEPS + 5 and policy.decode == 1 and used[-5:] == [1] * 5
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_probe_that_is_not_clearly_faster_changes_nothing():
+    before = torch.get_num_threads()
+    try:
+        policy = ComputeThreads(cores=2, decode=1)
+        used = run_decode(policy, FIRST_PROBE_AFTER + PROBE_STEPS + PROBE_EVERY, {1: 0.010, 2: 0.0095})
+        assert policy.decode == 1 and policy.probes == 1
+        assert used.count(2) == PROBE_STEPS, "one probe, then the kept count until the next"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_core_never_probes():
+    policy = ComputeThreads(cores=1, decode=1)
+    assert run_decode(policy, FIRST_PROBE_AFTER + 20, {1: 0.01}) == [1] * (FIRST_PROBE_AFTER + 20)
+    assert policy.probes == 0
 
 
 def test_no_policy_on_gpu_or_when_omp_threads_are_set(monkeypatch):
