@@ -64,13 +64,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", table.to(dtype or torch.get_default_dtype()), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`x` rotated: [tokens, heads, head_dim], any heads of each token (the query and
-        key heads side by side, a view of the QKV projection's output, in one call).
-        Returns a new contiguous tensor of `x`'s shape."""
+        """Rotates `x` in place and returns it: [tokens, heads, head_dim], any heads of
+        each token (the query and key heads side by side, a view of the QKV projection's
+        output, in one call). Per element as Hugging Face: `x * cos + rotate_half(x) * sin`."""
         cos_sin = torch.index_select(self.cos_sin_cache, 0, positions).unsqueeze(2)  # [T, 2, 1, R]
         cos, sin = cos_sin[:, 0], cos_sin[:, 1]
-        half = self.rotary_dim // 2
-        if self.rotary_dim == x.shape[-1]:
-            return x * cos + torch.roll(x, half, dims=-1) * sin
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat([rot * cos + torch.roll(rot, half, dims=-1) * sin, rest], dim=-1)
+        rot = x if self.rotary_dim == x.shape[-1] else x[..., : self.rotary_dim]
+        rotated_half = torch.roll(rot, self.rotary_dim // 2, dims=-1).mul_(sin)
+        rot.mul_(cos).add_(rotated_half)
+        return x

@@ -79,7 +79,10 @@ class PrefillAdder:
     ratio: float
     running: list[Req]
     max_running_requests: int
-    token_budget: int  # --max-prefill-tokens
+    # Tokens this batch may still compute: --max-prefill-tokens, and with chunked prefill
+    # on also --chunked-prefill-size, which bounds the whole batch as in SGLang (the
+    # request that crosses it is chunked to what is left).
+    token_budget: int
     chunk_size: int | None  # --chunked-prefill-size (None: off)
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
@@ -89,6 +92,8 @@ class PrefillAdder:
 
     def __post_init__(self) -> None:
         self.reserved = sum(expected_future_tokens(r, self.ratio) for r in self.running)
+        if self.chunk_size is not None:
+            self.token_budget = min(self.token_budget, self.chunk_size)
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prompt; while it still chunks, nothing else joins."""

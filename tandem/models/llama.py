@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = self.rotary_emb(positions, self.q_norm(q)), self.rotary_emb(positions, self.k_norm(k))
-        else:  # query and key heads rotated in one call
+        else:  # query and key heads rotated in one call, in place in the QKV output
             q, k = self.rotary_emb(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         out = ctx.attn_backend.forward(q, self.layer_id, fb, self.scaling, self.num_heads,

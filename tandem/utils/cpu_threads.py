@@ -9,7 +9,8 @@ policy measures instead of guessing:
 - decode starts on every core but one, and every `PROBE_EVERY` decode steps runs
   `PROBE_STEPS` steps on the other candidate count (every core, or every core but one).
   When those steps cost less than `SWITCH_MARGIN` of the steps just before them (time
-  per request of the batch), decode switches to that count. Measured on 2 cores
+  per request of the batch), decode switches to that count; steps that cost twice what
+  the last probe's winner did (the machine got busy) probe at once. Measured on 2 cores
   (docs/benchmarks.md, "Threads"): a 100M model decodes ~1.7x faster on both cores of
   a quiet machine, a 7M model gains nothing from the second thread, and on a machine
   loaded with other work two threads can be several times slower than one.
@@ -36,6 +37,7 @@ PROBE_STEPS = 3  # decode steps per probe, and steps compared with them
 FIRST_PROBE_AFTER = 8  # decode steps before the first probe
 PROBE_EVERY = 200  # decode steps between probes
 SWITCH_MARGIN = 0.9  # the probed count wins when its steps cost under 90%
+SLOWDOWN_PROBE = 2.0  # steps costing this many times the last probe's winner probe at once
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ComputeThreads:
     _since_probe: int = 0
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PROBE_STEPS))
     _probe: list[float] | None = None  # costs at `alternative()` while probing
+    _winner_cost: float | None = None  # cost per request of the count the last probe kept
 
     @classmethod
     def for_device(cls, device: str, ranks: int = 1) -> "ComputeThreads | None":
@@ -84,11 +87,16 @@ class ComputeThreads:
                     self.decode = self.alternative()
                     self._recent.clear()
                     self._recent.extend(self._probe)
+                self._winner_cost = min(probed, kept)
                 self._probe, self._since_probe = None, 0
                 self.probes += 1
             return
         self._recent.append(cost)
         self._since_probe += 1
+        if self.cores < 2 or len(self._recent) < PROBE_STEPS:
+            return
         due = FIRST_PROBE_AFTER if self.probes == 0 else PROBE_EVERY
-        if self.cores > 1 and self._since_probe >= due and len(self._recent) == PROBE_STEPS:
+        slower = (self._winner_cost is not None
+                  and statistics.median(self._recent) > SLOWDOWN_PROBE * self._winner_cost)
+        if self._since_probe >= due or slower:
             self._probe = []

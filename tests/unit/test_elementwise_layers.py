@@ -45,8 +45,8 @@ def test_rms_norm_equals_hf_formula(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_with_residual_adds_then_normalizes(dtype):
-    """`norm(x, residual)` is `(norm(x + residual), x + residual)`, the sum in `dtype`,
-    and leaves its inputs as they were."""
+    """`norm(x, residual)` is `(norm(x + residual), x + residual)`, the sum in `dtype`
+    taken in place into `x` (a sublayer's fresh output); `residual` is left as it was."""
     torch.manual_seed(1)
     norm = make_norm(64, dtype)
     x, residual = torch.randn(7, 64).to(dtype), torch.randn(7, 64).to(dtype)
@@ -55,7 +55,7 @@ def test_rms_norm_with_residual_adds_then_normalizes(dtype):
     expected_sum = residual0 + x0
     assert torch.equal(new_residual, expected_sum)
     assert torch.equal(out, hf_rms_norm(expected_sum, norm.weight, norm.eps))
-    assert torch.equal(x, x0) and torch.equal(residual, residual0)
+    assert new_residual.data_ptr() == x.data_ptr() and torch.equal(residual, residual0)
 
 
 def test_rms_norm_over_heads():
@@ -81,8 +81,9 @@ def cos_sin(rope: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_equals_rotate_half_formula(dtype):
-    """q and k rotated in one call on adjacent views of a QKV output equal Hugging Face's
-    `q * cos + rotate_half(q) * sin` on the same cos/sin, in the table's dtype."""
+    """q and k rotated in one call, in place on adjacent views of a QKV output, equal
+    Hugging Face's `q * cos + rotate_half(q) * sin` on the same cos/sin, in the table's
+    dtype; the V part of the output is untouched."""
     torch.manual_seed(3)
     heads, kv_heads, dim = 6, 2, 32
     rope = RotaryEmbedding(dim, dim, 512, 10000.0, dtype=dtype)
@@ -90,13 +91,14 @@ def test_rotary_equals_rotate_half_formula(dtype):
     qkv = torch.randn(9, (heads + 2 * kv_heads) * dim).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * dim].view(9, heads + kv_heads, dim)
     positions = torch.tensor([0, 1, 2, 7, 100, 101, 300, 511, 5])
+    qkv0 = qkv.clone()
     qk0 = qk.clone()
     out = rope(positions, qk)
     cos, sin = cos_sin(rope, positions)
-    assert out.dtype == dtype and out.shape == qk.shape
+    assert out.data_ptr() == qkv.data_ptr() and out.dtype == dtype
     assert torch.equal(out, qk0 * cos + rotate_half(qk0) * sin)
-    assert torch.equal(qk, qk0)  # the projection's output is not written to
-    q, k = qk.split([heads, kv_heads], dim=1)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], qkv0[:, (heads + kv_heads) * dim :])
+    q, k = qk0.clone().split([heads, kv_heads], dim=1)  # separate calls: the same values
     assert torch.equal(torch.cat([rope(positions, q), rope(positions, k)], dim=1), out)
 
 
@@ -114,7 +116,7 @@ def test_rotary_close_to_transformers(dtype, tol):
     cos, sin = LlamaRotaryEmbedding(config)(q, positions.unsqueeze(0))
     ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)
     rope = RotaryEmbedding(64, 64, 2048, 10000.0, dtype=dtype)
-    out = rope(positions, torch.cat([q, k], dim=1))
+    out = rope(positions, torch.cat([q, k], dim=1))  # a copy: q and k stay as they were
     torch.testing.assert_close(out[:, :4], ref_q[0].transpose(0, 1), atol=tol, rtol=tol)
     torch.testing.assert_close(out[:, 4:], ref_k[0].transpose(0, 1), atol=tol, rtol=tol)
 
@@ -123,7 +125,7 @@ def test_partial_rotary_keeps_the_rest():
     torch.manual_seed(5)
     rope = RotaryEmbedding(64, 32, 128, 10000.0, dtype=torch.float32)
     x, positions = torch.randn(4, 3, 64), torch.tensor([1, 2, 50, 127])
-    out = rope(positions, x)
+    out = rope(positions, x.clone())
     cos, sin = cos_sin(rope, positions)
     assert torch.equal(out[..., 32:], x[..., 32:])
     assert torch.equal(out[..., :32], x[..., :32] * cos + rotate_half(x[..., :32]) * sin)

@@ -62,8 +62,8 @@ def reference(tiny_llama_dir, tokenized) -> list[list[int]]:
     {"chunked_prefill_size": 7, "schedule_policy": "lpm"},
     {"chunked_prefill_size": -1, "schedule_policy": "lpm"},
     {"disable_radix_cache": True, "chunked_prefill_size": 5},
-    {"enable_mixed_chunk": True},
-    {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
+    {"enable_mixed_chunk": False},  # the default on CPU mixes
+    {"enable_mixed_chunk": False, "chunked_prefill_size": 8},
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
 def test_outputs_do_not_change_with_features(tiny_llama_dir, tokenized, reference, loop, server_args):
     h = open_harness(tiny_llama_dir, loop, **server_args)
@@ -135,5 +135,28 @@ def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop,
                     assert a[1] == b[1]
                     assert (a[0] is None and b[0] is None) or abs(a[0] - b[0]) < 1e-4
         h.assert_memory_idle()
+    finally:
+        h.close()
+
+
+def test_chunked_prefill_size_bounds_the_whole_prefill_batch(tiny_llama_dir, monkeypatch):
+    """As in SGLang, --chunked-prefill-size caps the tokens of one prefill forward, not
+    only of one request: requests arriving together are prefilled in batches of at most
+    that many tokens, the request that crosses the cap chunked to what is left."""
+    h = open_harness(tiny_llama_dir, "normal", chunked_prefill_size=8)
+    try:
+        sizes = []
+        form = h.scheduler.get_new_prefill_batch
+
+        def recording():
+            batch = form()
+            if batch is not None:
+                sizes.append(list(batch.extend_lens))
+            return batch
+        monkeypatch.setattr(h.scheduler, "get_new_prefill_batch", recording)
+        run(h, [[5 + i, 6, 7, 8, 9] for i in range(5)], {"temperature": 0, "max_new_tokens": 2})
+        assert sizes and all(sum(s) <= 8 for s in sizes), sizes
+        assert sizes[0] == [5, 3], sizes  # the second request chunked to fill the forward
+        assert sum(map(sum, sizes)) == 25
     finally:
         h.close()
