@@ -18,13 +18,13 @@ import signal
 import socket
 from typing import Any, AsyncIterator
 
-import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.json_body import JSONBodyRoute, parse_json_body
 from tandem.entrypoints.limits import BodySizeLimit
+from tandem.entrypoints.openai.common import sse
 from tandem.entrypoints.openai.errors import OpenAIError, json_response
 from tandem.entrypoints.openai.router import add_api_key_middleware, add_openai_routes
 from tandem.entrypoints.sglang_routes import add_sglang_routes
@@ -70,10 +70,6 @@ async def read_json_object(request: Request) -> dict:
     if not isinstance(body, dict):
         raise ValueError("request body: must be a JSON object")
     return body
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,

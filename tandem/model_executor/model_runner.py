@@ -146,8 +146,8 @@ class ModelRunner:
         """A new model of `self.config`'s shapes with `source`'s weights, prepared for
         serving (packed linear kernels); used at start-up and by weight updates."""
         cls = resolve_model_class(self.config)
-        # NOTE: built under a default dtype rather than cast afterwards, so buffers that
-        # must stay float32 (the RoPE tables) keep their precision.
+        # NOTE: built under a default dtype rather than cast afterwards: parameters and the
+        # RoPE tables (layers/rotary.py) are made in the model's dtype from float32 values.
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

@@ -27,9 +27,24 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# JSON may hold U+0085, U+2028 and U+2029 raw inside strings, and orjson writes them so;
+# clients that split lines as `str.splitlines` does (httpx's `aiter_lines`) would cut the
+# event there. Their escapes are the same JSON.
+_LINE_BREAKING = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_json(obj: Any) -> bytes:
+    """`obj` as JSON on one line for every line splitter (for a server-sent event's data)."""
+    data = orjson.dumps(obj)
+    for raw, escaped in _LINE_BREAKING:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
+
+
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 def served_model_names(server_args) -> set[str]:

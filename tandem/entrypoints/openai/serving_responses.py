@@ -21,11 +21,10 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from tandem.entrypoints.openai.common import open_streams, resolve_max_tokens, respond
+from tandem.entrypoints.openai.common import open_streams, resolve_max_tokens, respond, sse_json
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
 from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
@@ -150,7 +149,7 @@ class ResponsesStreamConverter:
     def _event(self, event_type: str, **fields: Any) -> bytes:
         payload = {"type": event_type, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
-        return f"event: {event_type}\n".encode() + b"data: " + orjson.dumps(payload) + b"\n\n"
+        return f"event: {event_type}\n".encode() + b"data: " + sse_json(payload) + b"\n\n"
 
     def start(self) -> list[bytes]:
         initial = response_object(self.req, self.model, self.created, "in_progress", [], None)
