@@ -58,8 +58,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
-    # None: the device's default (mixed on CPU, SGLang's unmixed default elsewhere).
-    enable_mixed_chunk: bool | None = None
+    enable_mixed_chunk: bool = False
     # None: the device's default (the overlap loop on CUDA, the normal loop on CPU).
     disable_overlap_schedule: bool | None = None
     watchdog_timeout: float = 300.0
@@ -126,11 +125,6 @@ class ServerArgs:
             # it with (and shares its GIL): the normal loop is faster there (measured in
             # docs/benchmarks.md, "Overlap on CPU"), as vLLM turns async scheduling off on CPU.
             self.disable_overlap_schedule = self.device == "cpu"
-        if self.enable_mixed_chunk is None:
-            # On CPU a prefill forward that also decodes the running requests is faster than
-            # the two forwards apart (docs/benchmarks.md, "Mixed chunks by default on CPU"),
-            # as vLLM mixes by default; elsewhere SGLang's default (not measured here).
-            self.enable_mixed_chunk = self.device == "cpu"
 
     def validate(self) -> None:
         """Raise ValueError for values that can never work, naming the flag; log each
@@ -236,11 +230,9 @@ class ServerArgs:
             help="Answer 413 to a request whose body is larger than this (default 32 MiB).")
         add("--chat-template", default=None,
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
-        add("--enable-mixed-chunk", action="store_true", default=None,
+        add("--enable-mixed-chunk", action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "
-                 "instead of pausing them for it (default on CPU).")
-        add("--disable-mixed-chunk", dest="enable_mixed_chunk", action="store_false", default=None,
-            help="Pause the running requests during each prefill forward (the default off CPU).")
+                 "instead of pausing them for it.")
         add("--disable-overlap-schedule", action="store_true", default=None,
             help="Run the normal scheduler loop: process each batch's result before forming the next, "
                  "instead of while the next one computes (default on CPU).")

@@ -17,13 +17,13 @@ from tandem.server_args import ServerArgs
 
 def loop_configurations(small_pool_tokens: int) -> list:
     """pytest params of `server_args` under which the overlap and the normal loop must
-    agree: the defaults (mixed chunks on CPU), chunked prefill, unmixed chunks, no radix
+    agree: the defaults, chunked prefill, mixed chunks, no radix
     cache, and a KV pool of `small_pool_tokens` slots, small enough that the caller's
     workload retracts (so its size depends on that workload)."""
     return [
         pytest.param({}, id="default"),
         pytest.param({"chunked_prefill_size": 8}, id="chunked"),
-        pytest.param({"enable_mixed_chunk": False, "chunked_prefill_size": 16}, id="no-mixed-chunk"),
+        pytest.param({"enable_mixed_chunk": True, "chunked_prefill_size": 16}, id="mixed-chunk"),
         pytest.param({"disable_radix_cache": True}, id="no-radix"),
         pytest.param({"max_total_tokens": small_pool_tokens, "chunked_prefill_size": 16}, id="small-pool"),
     ]

@@ -62,8 +62,8 @@ def reference(tiny_llama_dir, tokenized) -> list[list[int]]:
     {"chunked_prefill_size": 7, "schedule_policy": "lpm"},
     {"chunked_prefill_size": -1, "schedule_policy": "lpm"},
     {"disable_radix_cache": True, "chunked_prefill_size": 5},
-    {"enable_mixed_chunk": False},  # the default on CPU mixes
-    {"enable_mixed_chunk": False, "chunked_prefill_size": 8},
+    {"enable_mixed_chunk": True},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
 def test_outputs_do_not_change_with_features(tiny_llama_dir, tokenized, reference, loop, server_args):
     h = open_harness(tiny_llama_dir, loop, **server_args)
