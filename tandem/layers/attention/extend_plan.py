@@ -7,7 +7,7 @@ so padded keys (past seq_len_i, read from slot 0, the zeroed padding slot) are n
 by a real query, and padded query rows are dropped. A group with no cached prefix is
 plain causal attention (SDPA's `is_causal`, no mask); otherwise a boolean mask is built
 here, once per forward. A group is grown, over the requests sorted by size, while its
-padded block costs at most twice the attention it holds (`MAX_PADDED_WASTE`), so a batch
+padded block costs at most 1.25x the attention it holds (`MAX_PADDED_WASTE`), so a batch
 of similar prompts is one call and very uneven ones fall back towards one call each.
 
 One call instead of one per request matters most on a loaded CPU: each PyTorch op opens
