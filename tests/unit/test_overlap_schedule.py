@@ -1,4 +1,4 @@
-"""The overlap loop (the default) against the normal loop (--disable-overlap-schedule):
+"""The overlap loop (the default on CUDA) against the normal loop (the default on CPU):
 the same requests give the same tokens, logprobs and finishes, token for token; a
 request that finished while its next step was already launched loses that extra token,
 and its KV is released exactly once. In-process, on the tiny model (scheduler_harness)."""
