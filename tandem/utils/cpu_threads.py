@@ -11,7 +11,7 @@ policy measures instead of guessing:
   When those steps cost less than `SWITCH_MARGIN` of the steps just before them (time
   per request of the batch), decode switches to that count; steps that cost twice what
   the last probe's winner did (the machine got busy) probe at once. Measured on 2 cores
-  (docs/benchmarks.md, "Threads"): a 100M model decodes ~1.7x faster on both cores of
+  (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x faster on both cores of
   a quiet machine, a 7M model gains nothing from the second thread, and on a machine
   loaded with other work two threads can be several times slower than one.
 The ranks of a tensor-parallel group on one machine split its cores evenly (each rank's

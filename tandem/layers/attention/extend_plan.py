@@ -47,6 +47,14 @@ class ExtendGroup:
         return self._stacked_masks[group_heads]
 
 
+def slot_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+               max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(rows), max_len] KV slots of each request's row (slot 0, the zeroed padding slot,
+    past its `seq_lens`), and the validity mask; on `seq_lens`' device."""
+    valid = torch.arange(max_len, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    return req_to_token[rows, :max_len].masked_fill(~valid, 0), valid
+
+
 @dataclass
 class ExtendPlan:
     groups: list[ExtendGroup]
@@ -93,14 +101,14 @@ def plan_extend(fb: ForwardBatch, req_to_token: torch.Tensor) -> ExtendPlan:
         prefix = torch.tensor([prefix_lens[i] for i in members])
         start = torch.tensor([starts[i] for i in members])
         n_max, l_max = int(n.max()), int(kv.max())
-        kpos = torch.arange(l_max)
-        table = req_to_token[torch.tensor([rows_of[i] for i in members], device=device), :l_max]
-        slots = table.masked_fill((kpos.unsqueeze(0) >= kv.unsqueeze(1)).to(device), 0).reshape(-1)
+        rows = torch.tensor([rows_of[i] for i in members], device=device)
+        slots = slot_table(req_to_token, rows, kv.to(device), l_max)[0].reshape(-1)
         qpos = torch.arange(n_max)
         # Padded query rows repeat the request's last token (any real row would do).
         query_index = (start.unsqueeze(1) + torch.minimum(qpos.unsqueeze(0), n.unsqueeze(1) - 1)).reshape(-1)
         mask = None
         if int(prefix.max()) > 0:
+            kpos = torch.arange(l_max)
             mask = (kpos.view(1, 1, -1) <= (prefix.view(-1, 1, 1) + qpos.view(1, -1, 1))).unsqueeze(1)
             mask = mask.to(device)
         for k, i in enumerate(members):

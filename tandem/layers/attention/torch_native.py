@@ -2,8 +2,9 @@
 
 Requests are ragged; the model never computes padded tokens:
 - EXTEND: requests of similar sizes are attended together by one SDPA call over a padded
-  block (extend_plan.py): causal without a mask when they have no cached prefix, with a
-  prefix-offset causal mask otherwise; grouped-query heads through SDPA's `enable_gqa`.
+  block (extend_plan.py): causal without a mask (grouped-query heads through SDPA's
+  `enable_gqa`) when they have no cached prefix, else a prefix-offset causal mask with the
+  query heads that share a KV head stacked on SDPA's query axis.
 - DECODE: one query per request, a handful of kernels per layer whatever the batch size.
   When lengths are similar, each request's keys are gathered into a [bs, max_len] block
   with a length mask and one SDPA call runs (fastest on CPU). When they are very uneven,
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers.attention.base import AttentionBackend
-from tandem.layers.attention.extend_plan import ExtendPlan, plan_extend
+from tandem.layers.attention.extend_plan import ExtendPlan, plan_extend, slot_table
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.forward_batch import ForwardBatch
 
@@ -149,10 +150,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """[bs, max_len] KV slots of each request (slot 0 past its end) and the validity mask.
 
         Computed once per forward by `init_forward_metadata`."""
-        max_len = max(fb.seq_lens_cpu)
-        valid = torch.arange(max_len, device=fb.seq_lens.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
-        table = self.req_to_token[fb.req_pool_indices, :max_len].masked_fill(~valid, 0)
-        return table, valid
+        return slot_table(self.req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu))
 
     def _decode_segmented(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         """Keys of all requests on one flat axis, softmax per request segment (no padding)."""
