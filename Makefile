@@ -1,6 +1,7 @@
 # Tandem: `make serve` serves llama2.c's stories260K (shipped in assets/, converted into
 # models/stories260K on first use), `make test` runs the whole suite. Both install
 # everything into .venv first (torch==2.13.0 before anything that needs torch).
+# The C++ CPU kernels are compiled for this machine at install (tandem/kernels/cpu.py).
 # `make serve MODEL=models/demo-llama` serves the random-weight demo model instead.
 
 PYTHON ?= python3
@@ -22,6 +23,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m tandem.kernels.cpu || echo "Tandem's C++ CPU kernels were not built (no C++ compiler?): PyTorch fallbacks will run"
 	touch $@
 
 models/demo-llama/config.json: | install

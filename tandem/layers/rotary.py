@@ -63,12 +63,22 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
         self.register_buffer("cos_sin_cache", table.to(dtype or torch.get_default_dtype()), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotates `x` in place and returns it: [tokens, heads, head_dim], any heads of
-        each token (the query and key heads side by side, a view of the QKV projection's
-        output, in one call). Per element as Hugging Face: `x * cos + rotate_half(x) * sin`."""
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's (cos, signed sin), [tokens, 1, rotary_dim] each: what `forward`
+        rotates by. A model looks them up once per forward for all its layers."""
         cos_sin = torch.index_select(self.cos_sin_cache, 0, positions).unsqueeze(2)  # [T, 2, 1, R]
-        cos, sin = cos_sin[:, 0], cos_sin[:, 1]
+        return cos_sin[:, 0], cos_sin[:, 1]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`rotate(x, lookup(positions))`."""
+        return self.rotate(x, self.lookup(positions))
+
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotates `x` in place by `cos_sin` (`lookup`'s) and returns it: [tokens, heads,
+        head_dim], any heads of each token (the query and key heads side by side, a view
+        of the QKV projection's output, in one call). Per element as Hugging Face:
+        `x * cos + rotate_half(x) * sin`."""
+        cos, sin = cos_sin
         rot = x if self.rotary_dim == x.shape[-1] else x[..., : self.rotary_dim]
         rotated_half = torch.roll(rot, self.rotary_dim // 2, dims=-1).mul_(sin)
         rot.mul_(cos).add_(rotated_half)

@@ -40,13 +40,14 @@ class ForwardStats:
         self._steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self._last_end: float | None = None
 
-    def record(self, start: float, end: float) -> None:
+    def record(self, start: float, end: float, what: str = "") -> None:
+        """One forward from `start` to `end` (perf_counter s); `what` names it in the debug log."""
         idle = 0.0 if self._last_end is None else max(0.0, start - self._last_end)
         self._last_end = end
         self._steps.append((end - start, idle))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("forward busy %.2f ms, idle before it %.2f ms, rolling idle fraction %.3f",
-                         (end - start) * 1e3, idle * 1e3, self.idle_fraction())
+            logger.debug("forward %s busy %.2f ms, idle before it %.2f ms, rolling idle fraction %.3f",
+                         what, (end - start) * 1e3, idle * 1e3, self.idle_fraction())
 
     def mark_idle(self) -> None:
         """The scheduler has nothing to run: the next gap is not its overhead."""
@@ -84,7 +85,8 @@ class ForwardExecutor:
         end = time.perf_counter()
         if self.compute_threads is not None and mode.is_decode():
             self.compute_threads.observe_decode(end - start, mwb.forward_batch.batch_size)
-        self.stats.record(start, end)
+        fb = mwb.forward_batch
+        self.stats.record(start, end, f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens}")
         return result
 
     def close(self) -> None:

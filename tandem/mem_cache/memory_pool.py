@@ -32,6 +32,12 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + slots.numel()] = slots
 
+    def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """`req_to_token[rows[i], positions[i]] = slots[i]` for every i, in one indexed
+        write (a decode step's new slots: one per request)."""
+        device = self.req_to_token.device
+        self.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = slots
+
 
 class TokenToKVPool:
     """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim], indexed by slot.

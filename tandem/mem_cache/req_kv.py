@@ -80,8 +80,7 @@ class ReqKVManager:
         slots = self._alloc_slots(len(reqs))
         if slots is None:
             return None
-        for i, req in enumerate(reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[i : i + 1])
+        self.req_to_token_pool.write_one_each([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
         return slots
 
     # ---- caching and release -------------------------------------------------------

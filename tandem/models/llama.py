@@ -47,14 +47,26 @@ class ModelContext:
         self.attn_backend = attn_backend
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def make_rotary_embedding(config) -> RotaryEmbedding:
+    """The model's one rotary embedding: every layer rotates by the same table (as
+    SGLang's `get_rope` cache shares one), looked up once per forward."""
+    theta, scaling = rope_settings(config)
+    head_dim = head_dim_of(config)
+    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int):
+    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.layer_id = layer_id
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias, tp_rank, tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
@@ -66,19 +78,20 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        theta, scaling = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary_emb
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, ctx: ModelContext):
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, fb: ForwardBatch,
+                ctx: ModelContext):
+        """`cos_sin`: the batch's tokens' rotation, `RotaryEmbedding.lookup(positions)`."""
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            q, k = self.rotary_emb(positions, self.q_norm(q)), self.rotary_emb(positions, self.k_norm(k))
+            q, k = self.rotary_emb.rotate(self.q_norm(q), cos_sin), self.rotary_emb.rotate(self.k_norm(k), cos_sin)
         else:  # query and key heads rotated in one call, in place in the QKV output
-            q, k = self.rotary_emb(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rotary_emb.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         out = ctx.attn_backend.forward(q, self.layer_id, fb, self.scaling, self.num_heads,
                                        self.num_kv_heads, self.head_dim)
@@ -98,21 +111,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int):
+    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, layer_id, tp_rank, tp_size, rotary_emb)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, fb, ctx):
+    def forward(self, cos_sin, hidden, residual, fb, ctx):
         """(MLP output, residual): the residual adds happen in the next norm's call
         (SGLang's layout); `residual` is None for the first layer."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb, ctx)
+        hidden = self.self_attn(cos_sin, hidden, fb, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -121,15 +134,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config, tp_rank: int, tp_size: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, i, tp_rank, tp_size, self.rotary_emb) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, fb, ctx):
         hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary_emb.lookup(positions)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, fb, ctx)
+            hidden, residual = layer(cos_sin, hidden, residual, fb, ctx)
         return self.norm(hidden, residual)[0]
 
 

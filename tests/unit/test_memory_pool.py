@@ -53,6 +53,15 @@ def test_req_to_token_rows():
         pool.free(r1)
 
 
+def test_req_to_token_write_one_each():
+    """A decode step's write: slot i goes to row rows[i] at positions[i]; nothing else moves."""
+    pool = ReqToTokenPool(size=3, max_context_len=8, device="cpu")
+    pool.write_one_each([2, 0, 1], [5, 0, 7], torch.tensor([11, 12, 13]))
+    expected = torch.zeros(3, 8, dtype=torch.int64)
+    expected[2, 5], expected[0, 0], expected[1, 7] = 11, 12, 13
+    assert torch.equal(pool.req_to_token, expected)
+
+
 def test_ipc_directory_is_private():
     args = PortArgs.create()
     try:

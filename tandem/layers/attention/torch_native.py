@@ -5,13 +5,18 @@ Requests are ragged; the model never computes padded tokens:
   block (extend_plan.py): causal without a mask (grouped-query heads through SDPA's
   `enable_gqa`) when they have no cached prefix, else a prefix-offset causal mask with the
   query heads that share a KV head stacked on SDPA's query axis.
-- DECODE: one query per request, a handful of kernels per layer whatever the batch size.
-  When lengths are similar, each request's keys are gathered into a [bs, max_len] block
+- DECODE on CPU: Tandem's C++ kernel (tandem/kernels/csrc/decode_attention_cpu.cpp) reads
+  each request's keys and values in place through the request's row of the ReqToTokenPool,
+  one parallel task per (request, KV head), in float32. It is built for the machine on
+  first use (tandem/kernels/cpu.py); where it cannot be (no C++ compiler) or the shapes do
+  not suit it (head_dim not a multiple of 16), the PyTorch paths below run instead.
+- DECODE elsewhere: one query per request, a handful of kernels per layer whatever the
+  batch size. When lengths are similar, each request's keys are gathered into a [bs, max_len] block
   with a length mask and one SDPA call runs (fastest on CPU). When they are very uneven,
   the keys of all requests go on one flat axis tagged with their request and the softmax
   is taken per segment (scatter/index_add), so no key is read twice or padded.
   Gathers use index_select: on CPU it is several times faster than advanced indexing.
-  With `--enable-torch-compile` the blocked path instead runs `paged_decode` compiled by
+  With `--enable-torch-compile` (and no C++ kernel) the blocked path instead runs `paged_decode` compiled by
   Inductor, which reads K and V through the slot table in place (no gathered copy); it is
   compiled when the backend is built (server start), not on the first request.
 - MIXED (`--enable-mixed-chunk`: an EXTEND batch whose last rows are running requests
@@ -24,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.attention.extend_plan import ExtendPlan, plan_extend, slot_table
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -60,9 +66,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.mixed_parts: tuple[ForwardBatch, ForwardBatch] | None = None
         # An EXTEND forward's (or a mixed batch's prefill part's) SDPA groups.
         self.extend_plan: ExtendPlan | None = None
-        self.compiled_decode = torch.compile(paged_decode) if enable_torch_compile else None
+        self.decode_kernel = self._cpu_decode_kernel(token_to_kv_pool, num_heads)
+        self.compiled_decode = (torch.compile(paged_decode)
+                                if enable_torch_compile and self.decode_kernel is None else None)
         if self.compiled_decode is not None:
             self._compile_decode(num_heads)
+
+    @staticmethod
+    def _cpu_decode_kernel(kv_pool: TokenToKVPool, num_heads: int):
+        """The C++ decode kernel when the pool is on CPU and its shapes suit it, else None."""
+        _, kv_heads, head_dim = kv_pool.k_buffer[0].shape
+        if kv_pool.k_buffer[0].device.type != "cpu" or head_dim % 16 or head_dim > 256 or num_heads > 64 * kv_heads:
+            return None
+        ops = cpu_kernels.load()
+        return None if ops is None else ops.decode_attention
 
     @torch.inference_mode()
     def _compile_decode(self, num_heads: int) -> None:
@@ -92,7 +109,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         batch: its two parts, and its decode part's KV table."""
         self.mixed_parts = forward_batch.mixed_parts() if forward_batch.is_mixed() else None
         decode = self.mixed_parts[1] if self.mixed_parts else forward_batch
-        self.forward_metadata = self._kv_table(decode) if decode.forward_mode.is_decode() else None
+        self.forward_metadata = (self._kv_table(decode) if decode.forward_mode.is_decode()
+                                 and self.decode_kernel is None else None)
         prefill = self.mixed_parts[0] if self.mixed_parts else forward_batch
         self.extend_plan = plan_extend(prefill, self.req_to_token) if prefill.forward_mode.is_extend() else None
 
@@ -113,6 +131,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.forward_decode(q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim)])
 
     def forward_decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+        if self.decode_kernel is not None:
+            return self.decode_kernel(q.view(fb.batch_size, num_heads, head_dim), self.kv_pool.k_buffer[layer_id],
+                                      self.kv_pool.v_buffer[layer_id], self.req_to_token, fb.req_pool_indices,
+                                      fb.seq_lens, scaling)
         if self._padded_waste_ok(fb):
             return self._decode_blocked(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
         return self._decode_segmented(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)

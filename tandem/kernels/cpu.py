@@ -1,0 +1,106 @@
+"""Tandem's C++ CPU kernels (csrc/*_cpu.cpp): built once per machine, loaded on demand.
+
+`load()` returns the loaded ops (`torch.ops.tandem_cpu`) or None when they cannot be had
+(no C++ compiler, a build error, `TANDEM_DISABLE_CPU_KERNELS=1`); callers then use their
+PyTorch fallback, so a machine without a compiler still serves, only slower. The library
+is compiled with the system's C++ compiler (`$CXX`, else `c++`) against the installed
+PyTorch, with `-O3 -march=native` (the build is for this machine's CPU), into
+`$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name that hashes the
+sources, the flags, PyTorch's version and the CPU, so a change of any of them rebuilds.
+`make install` builds it (`python -m tandem.kernels.cpu`); otherwise the first server
+start on a machine does (a few seconds). Concurrent builds (tensor-parallel ranks
+starting together) each write a temporary file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache" / "tandem" / "kernels"))
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile_command(cxx: str, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch.compiled_with_cxx11_abi())
+    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()],
+            *map(str, SOURCES), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+            f"-Wl,-rpath,{torch_lib}"]
+
+
+def library_path() -> Path:
+    key = hashlib.sha256()
+    for src in SOURCES:
+        key.update(src.read_bytes())
+    key.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_signature().encode())
+    return cache_dir() / f"tandem_cpu_{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the library unless this machine's build is cached; its path. Raises on failure."""
+    path = library_path()
+    if path.exists():
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(_compile_command(cxx, Path(tmp)), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """`torch.ops.tandem_cpu` with the kernels registered, or None (see the module docstring)."""
+    if os.environ.get("TANDEM_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
+        return None
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the PyTorch fallback
+        logger.warning("Tandem's C++ CPU kernels are unavailable, using PyTorch fallbacks: %s", exc)
+        return None
+    return torch.ops.tandem_cpu
+
+
+if __name__ == "__main__":
+    print(build())
+    sys.exit(0 if load() is not None else 1)

@@ -1,0 +1,252 @@
+// One-token (decode) attention per request, reading the paged KV pool in place, on CPU.
+//
+// For each (request, KV head) pair, one task: the G query heads sharing that KV head are
+// scored against the request's keys (slots req_to_token[req_pool_indices[b], 0:seq_len]),
+// softmaxed and applied to its values, all in float32, without copying any key or value.
+// Tasks run in parallel with at::parallel_for (PyTorch's OpenMP threads). Loops are
+// written for the compiler to vectorize (built with -O3 -march=native by cpu.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf range reduction and
+// polynomial (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use),
+// written branch-free so that the loop calling it vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// 16 floats: GCC/Clang vector extensions, lowered to the machine's widest registers
+// (one AVX-512 register, two AVX2 ones, four NEON ones).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vec16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
+  vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline vec16 load16(const c10::Half* p) {
+  vec16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
+inline vec16 lane_sums16(vec16* v) {
+  const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const ivec16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const ivec16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const ivec16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const ivec16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const ivec16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const ivec16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const ivec16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vec16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
+  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
+// One (request, KV head) task. C: head_dim / 16 when a compile-time constant, else 0 and
+// `chunks` says it. `scores` holds group * max_len floats, `work` the rest of the scratch.
+template <typename T, int C>
+struct DecodeTask {
+  int64_t group, chunks;
+  float scale;
+
+  void run(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
+           const int64_t* slots, int64_t len, int64_t max_len, float* scores, vec16* work, T* out) const {
+    const int64_t nc = C > 0 ? C : chunks;
+    vec16* qv = work;                    // [group][nc] the queries, scaled
+    vec16* acc = qv + group * nc;        // [group][nc] the weighted values
+    vec16* part = acc + group * nc;      // [group][16] partial dot products of 16 keys
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < nc; ++c) qv[g * nc + c] = load16(q + g * q_stride_h + c * 16) * scale;
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0);
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= n) {
+          for (int64_t g = 0; g < group; ++g) part[g * 16 + j] = vec16{};
+          continue;
+        }
+        const T* krow = k + slots[t0 + j] * k_stride_s;
+        vec16 kc[C > 0 ? C : 16];
+        for (int64_t c = 0; c < nc; ++c) kc[c] = load16(krow + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          vec16 s = qv[g * nc] * kc[0];
+          for (int64_t c = 1; c < nc; ++c) s += qv[g * nc + c] * kc[c];
+          part[g * 16 + j] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        vec16 s = lane_sums16(part + g * 16);
+        std::memcpy(scores + g * max_len + t0, &s, n * sizeof(float));
+      }
+    }
+    float inv[64];
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * max_len;
+      float peak = -INFINITY;
+      for (int64_t t = 0; t < len; ++t) peak = sg[t] > peak ? sg[t] : peak;
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - peak);
+        total += sg[t];
+      }
+      inv[g] = 1.f / total;
+    }
+    for (int64_t i = 0; i < group * nc; ++i) acc[i] = vec16{};
+    for (int64_t t = 0; t < len; ++t) {
+      const T* vrow = v + slots[t] * v_stride_s;
+      vec16 vc[C > 0 ? C : 16];
+      for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * max_len + t];
+        for (int64_t c = 0; c < nc; ++c) acc[g * nc + c] += p * vc[c];
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < nc; ++c) {
+        const vec16 o = acc[g * nc + c] * inv[g];
+        for (int i = 0; i < 16; ++i) out[g * nc * 16 + c * 16 + i] = static_cast<T>(o[i]);
+      }
+  }
+};
+
+template <typename T, int C>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
+  const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale)};
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t table_stride = req_to_token.stride(0);
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < bs; ++b) max_len = std::max(max_len, lens[b]);
+  max_len = (max_len + 15) / 16 * 16;  // whole blocks of 16 scores are stored
+
+  at::parallel_for(0, bs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * max_len);
+    std::vector<vec16> work(group * (2 * (head_dim / 16) + 16));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      task.run(q_ptr + b * q.stride(0) + h * group * q.stride(1), q.stride(1), k_ptr + h * k_cache.stride(1),
+               v_ptr + h * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0),
+               table + rows[b] * table_stride, lens[b], max_len, scores.data(), work.data(),
+               out_ptr + (b * num_heads + h * group) * head_dim);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                       const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+  }
+}
+
+// q [bs, num_heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
+// pool, q's dtype); req_to_token [rows, max_context] int64; req_pool_indices, seq_lens [bs]
+// int64. Returns [bs, num_heads * head_dim] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "decode_attention: q, k, v must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "decode_attention: q, k and v must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+              "decode_attention: the head dimension must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= 64,
+              "decode_attention: query heads must be 1-64 times the KV heads");
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "decode_attention: head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_pool_indices.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && req_to_token.stride(1) == 1,
+              "decode_attention: index tensors must be int64 (req_to_token rows contiguous)");
+  auto rows = req_pool_indices.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      break;
+    case at::kBFloat16:
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      break;
+    case at::kHalf:
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
+  }
+  return out.view({q.size(0), q.size(1) * q.size(2)});
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+}

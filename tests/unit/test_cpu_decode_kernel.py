@@ -1,0 +1,113 @@
+"""Tandem's C++ CPU decode attention (tandem/kernels/csrc/decode_attention_cpu.cpp) against
+a float64 softmax attention: dtypes, head sizes (compile-time and run-time paths), grouped
+and plain heads, ragged lengths around its 16-key blocks, slots scattered in the pool, a
+query that is a view into a wider tensor; and the torch-native backend uses it on CPU."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tandem.forward_batch import ForwardBatch, ForwardMode
+from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++"))
+ops = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels could not be built here")
+
+
+def test_kernels_build_where_a_compiler_exists():
+    """A machine with a C++ compiler must get the kernels (a broken build would otherwise
+    only show as a slower server)."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the PyTorch fallback runs (tests/unit/test_torch_native_attention.py)")
+    assert ops is not None and hasattr(ops, "decode_attention")
+
+
+def make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype, seed=0):
+    """A pool whose unowned slots hold NaN, requests on scattered slots; per request its
+    row and its keys/values as float64."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    kv = TokenToKVPool(2 * total + 8, 1, kv_heads, head_dim, dtype, "cpu")
+    for buf in kv.k_buffer + kv.v_buffer:
+        buf[1:].fill_(float("nan"))
+    rows = ReqToTokenPool(len(seq_lens) + 2, 4 * max(seq_lens) + 16, "cpu")
+    rows.alloc()  # row 0 unused: request rows are not their batch index
+    free = kv.alloc(2 * total)
+    owned = free[torch.randperm(len(free), generator=gen)[:total]]  # scattered, not in order
+    per_req, start = [], 0
+    for n in seq_lens:
+        row, slots = rows.alloc(), owned[start:start + n]
+        start += n
+        rows.write(row, 0, slots)
+        k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        kv.set_kv(0, slots, k, v)
+        per_req.append((row, k.double(), v.double()))
+    return kv, rows, per_req
+
+
+def reference(q, per_req, scale):
+    """q [bs, H, D]; softmax attention of each request's query over all its keys, float64."""
+    outs = []
+    for i, (_, k, v) in enumerate(per_req):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        w = (torch.einsum("hd,lhd->hl", q[i].double(), k) * scale).softmax(-1)
+        outs.append(torch.einsum("hl,lhd->hd", w, v).reshape(-1))
+    return torch.stack(outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(12, 4, 64), (8, 8, 128), (6, 2, 80), (32, 4, 16)])
+def test_decode_attention_matches_float64(dtype, tol, num_heads, kv_heads, head_dim):
+    seq_lens = [1, 15, 16, 17, 40, 3, 100]
+    kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype)
+    wide = torch.randn(len(seq_lens), num_heads * head_dim + 24).to(dtype)
+    q = wide[:, :num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)  # rows strided, as in a fused QKV
+    scale = head_dim ** -0.5
+    out = ops.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token,
+                               torch.tensor([r[0] for r in per_req]), torch.tensor(seq_lens), scale)
+    assert out.dtype == dtype and out.shape == (len(seq_lens), num_heads * head_dim)
+    assert not out.isnan().any(), "an unowned slot was read"
+    torch.testing.assert_close(out.double(), reference(q, per_req, scale), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_decode_attention_refuses_bad_input():
+    kv, rows, per_req = make_pool([4], 4, 2, 64, torch.float32)
+    q = torch.randn(1, 4, 64)
+    args = (kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token, torch.tensor([per_req[0][0]]))
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.decode_attention(q, *args, torch.tensor([4], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.decode_attention(q.bfloat16(), *args, torch.tensor([4]), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of the KV heads|times the KV heads"):
+        ops.decode_attention(torch.randn(1, 3, 64), *args, torch.tensor([4]), 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_backend_decodes_with_the_kernel(dtype, tol):
+    """On CPU the backend's decode (and a mixed batch's decode rows) run the kernel, with no
+    KV table built; outputs equal the float64 reference."""
+    seq_lens, num_heads, kv_heads, head_dim = [7, 30, 19], 12, 4, 64
+    kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype)
+    backend = TorchNativeAttnBackend(rows, kv, num_heads=num_heads)
+    assert backend.decode_kernel is not None
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    n = len(seq_lens)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=n, input_ids=torch.zeros(n, dtype=torch.int64),
+                      positions=torch.zeros(n, dtype=torch.int64), out_cache_loc=torch.zeros(n, dtype=torch.int64),
+                      req_pool_indices=torch.tensor([r[0] for r in per_req]), seq_lens=torch.tensor(seq_lens),
+                      seq_lens_cpu=seq_lens, prefix_lens_cpu=[s - 1 for s in seq_lens], extend_lens_cpu=[1] * n)
+    backend.init_forward_metadata(fb)
+    assert backend.forward_metadata is None
+    out = backend.forward(q.reshape(n, -1), 0, fb, head_dim ** -0.5, num_heads, kv_heads, head_dim)
+    torch.testing.assert_close(out.double(), reference(q, per_req, head_dim ** -0.5), atol=tol, rtol=tol)
