@@ -33,6 +33,4 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the weight applied inside, to the float32 result: the same product
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), None, self.eps).mul_(self.weight)

@@ -33,10 +33,11 @@ class ReqToTokenPool:
         self.req_to_token[row, start : start + slots.numel()] = slots
 
     def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
-        """`req_to_token[rows[i], positions[i]] = slots[i]` for every i, in one indexed
-        write (a decode step's new slots: one per request)."""
-        device = self.req_to_token.device
-        self.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = slots
+        """`req_to_token[rows[i], positions[i]] = slots[i]` for every i (a decode step's
+        new slots, one per request) in one indexed copy, not one write per request."""
+        width = self.max_context_len
+        flat = torch.tensor([row * width + pos for row, pos in zip(rows, positions)], device=self.req_to_token.device)
+        self.req_to_token.view(-1).index_copy_(0, flat, slots)
 
 
 class TokenToKVPool:

@@ -199,6 +199,7 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   switch (q.size(2)) {
+    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
     case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
     case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
     default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
