@@ -9,6 +9,10 @@ for its device, chosen once after the weights are loaded (`--linear-backend`).
   so the weight layout decides the speed: measured on 2 EPYC cores (`bench_one_batch`,
   docs/benchmarks.md), a decode step of a 100M-parameter Llama takes 38-42 ms instead of
   69-75 ms at batch 16, and 23-27 ms instead of 33-38 ms at batch 1.
+  Inputs of 1 or 2 rows run as `PADDED_ROWS` (4), padded with zero rows: oneDNN's
+  kernels for 1 or 2 rows read the weight more slowly than its kernel for 4 (measured on
+  the 100M model's decode linears, one thread: 1 row 8-18% and 2 rows 17-34% slower than
+  4 rows; 3 rows as fast as 4; docs/benchmarks.md, "Linear kernels").
   Elsewhere (CUDA, other dtypes, no oneDNN) `auto` is `torch`.
 
 Results equal `F.linear`'s to float rounding (the summation order differs).
@@ -25,8 +29,11 @@ LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_BACKENDS = ("auto", "torch")
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Batch size hint oneDNN picks the weight's blocking for; the decode batches that matter
-# (measured: 16-64 rows do as well with 32 as with their own size).
+# (measured: 4-64 rows do as well with 32 as with their own size; a hint of 1 slows 4+ rows).
 _PACK_BATCH_HINT = 32
+# Inputs of at most SMALL_ROWS rows run padded to PADDED_ROWS (see the module docstring).
+SMALL_ROWS = 2
+PADDED_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -46,10 +53,17 @@ class PackedCpuLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        rows = x2.shape[0]
+        if 0 < rows <= SMALL_ROWS:
+            padded = x2.new_zeros(PADDED_ROWS, self.in_features)
+            padded[:rows] = x2
+            out = self._matmul(padded)[:rows]
+        else:
+            out = self._matmul(x2 if x2.is_contiguous() else x2.contiguous())
         return out.view(*lead, self.out_features)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
 
 
 def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> LinearKernel | None:

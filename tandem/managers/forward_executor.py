@@ -86,7 +86,7 @@ class ForwardExecutor:
         if self.compute_threads is not None and mode.is_decode():
             self.compute_threads.observe_decode(end - start, mwb.forward_batch.batch_size)
         fb = mwb.forward_batch
-        self.stats.record(start, end, f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens}")
+        self.stats.record(start, end, f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens} threads={torch.get_num_threads()}")
         return result
 
     def close(self) -> None:

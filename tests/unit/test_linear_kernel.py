@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from tandem.layers.linear_kernel import PackedCpuLinear, can_pack, make_linear_kernel
+from tandem.layers.linear_kernel import PADDED_ROWS, PackedCpuLinear, can_pack, make_linear_kernel
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.empty(2, 2)),
                                   reason="this PyTorch build has no oneDNN linear on CPU")
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_equals_f_linear(rows, with_bias):
     torch.manual_seed(rows)
@@ -32,12 +32,29 @@ def test_packed_equals_f_linear(rows, with_bias):
 
 
 @needs_onednn
-def test_packed_bfloat16_close_to_f_linear():
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_packed_bfloat16_close_to_f_linear(rows):
     torch.manual_seed(0)
-    w, x = torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(5, 48, dtype=torch.bfloat16)
+    w, x = torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(rows, 48, dtype=torch.bfloat16)
     out = PackedCpuLinear(w)(x)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 64)
     torch.testing.assert_close(out.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows, run_rows", [(1, PADDED_ROWS), (2, PADDED_ROWS), (3, 3), (16, 16)])
+def test_one_or_two_rows_run_padded(rows, run_rows, monkeypatch):
+    """1-2 rows run through oneDNN as PADDED_ROWS zero-padded rows (its faster kernel);
+    the caller gets its own rows only, bias included."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 80), torch.randn(96), torch.randn(rows, 80)
+    kernel = PackedCpuLinear(w, b)
+    run, matmul = [], PackedCpuLinear._matmul
+    monkeypatch.setattr(PackedCpuLinear, "_matmul", lambda self, x2: run.append(x2.shape[0]) or matmul(self, x2))
+    out = kernel(x)
+    assert run == [run_rows]
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_backend_choice():

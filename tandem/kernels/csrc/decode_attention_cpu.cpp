@@ -95,69 +95,94 @@ inline vec16 lane_sums16(vec16* v) {
   return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
-// One (request, KV head) task. C: head_dim / 16 when a compile-time constant, else 0 and
-// `chunks` says it. `scores` holds group * max_len floats, `work` the rest of the scratch.
+// Asks for a key or value row ahead of its use: a request's decode-time slots are spread
+// over the pool (one per step, interleaved with the other requests'), which the hardware
+// prefetchers do not follow. `level` 3 brings it to L1, 1 to L2.
+template <typename T, int level>
+inline void prefetch_row(const T* row, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, level);
+}
+
+// One task: one request, KV heads [h0, h0 + kv_count) and their `group` query heads each
+// (queries `kv_count * group`, query head i reads KV head h0 + i / group). Per key slot the
+// task reads the rows of all its KV heads, which lie side by side in the pool, so a
+// request's keys and values stream from memory once. C: head_dim / 16 when a compile-time
+// constant, else 0 and `chunks` says it.
 template <typename T, int C>
 struct DecodeTask {
   int64_t group, chunks;
   float scale;
 
+  // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors.
   void run(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
-           const int64_t* slots, int64_t len, int64_t max_len, float* scores, vec16* work, T* out) const {
-    const int64_t nc = C > 0 ? C : chunks;
-    vec16* qv = work;                    // [group][nc] the queries, scaled
-    vec16* acc = qv + group * nc;        // [group][nc] the weighted values
-    vec16* part = acc + group * nc;      // [group][16] partial dot products of 16 keys
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < nc; ++c) qv[g * nc + c] = load16(q + g * q_stride_h + c * 16) * scale;
+           int64_t stride_h, int64_t kv_count, const int64_t* slots, int64_t len, int64_t max_len, float* scores,
+           vec16* work, T* out) const {
+    const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16, queries = kv_count * group;
+    const int64_t row_elems = (kv_count - 1) * stride_h + head_dim;  // the task's part of a slot
+    vec16* qv = work;                  // [queries][nc] the queries, scaled
+    vec16* acc = qv + queries * nc;    // [queries][nc] the weighted values
+    vec16* part = acc + queries * nc;  // [queries][16] partial dot products of 16 keys
+    for (int64_t i = 0; i < queries; ++i)
+      for (int64_t c = 0; c < nc; ++c) qv[i * nc + c] = load16(q + i * q_stride_h + c * 16) * scale;
+    for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row<T, 3>(k + slots[j] * k_stride_s, row_elems);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
+      // The next block's keys to L1, this block's values to L2 (for the value pass).
+      for (int64_t j = t0 + 16; j < std::min<int64_t>(t0 + 32, len); ++j)
+        prefetch_row<T, 3>(k + slots[j] * k_stride_s, row_elems);
+      for (int64_t j = t0; j < t0 + n; ++j) prefetch_row<T, 1>(v + slots[j] * v_stride_s, row_elems);
       for (int64_t j = 0; j < 16; ++j) {
         if (j >= n) {
-          for (int64_t g = 0; g < group; ++g) part[g * 16 + j] = vec16{};
+          for (int64_t i = 0; i < queries; ++i) part[i * 16 + j] = vec16{};
           continue;
         }
-        const T* krow = k + slots[t0 + j] * k_stride_s;
-        vec16 kc[C > 0 ? C : 16];
-        for (int64_t c = 0; c < nc; ++c) kc[c] = load16(krow + c * 16);
-        for (int64_t g = 0; g < group; ++g) {
-          vec16 s = qv[g * nc] * kc[0];
-          for (int64_t c = 1; c < nc; ++c) s += qv[g * nc + c] * kc[c];
-          part[g * 16 + j] = s;
+        for (int64_t h = 0; h < kv_count; ++h) {
+          const T* krow = k + slots[t0 + j] * k_stride_s + h * stride_h;
+          vec16 kc[C > 0 ? C : 16];
+          for (int64_t c = 0; c < nc; ++c) kc[c] = load16(krow + c * 16);
+          for (int64_t i = h * group; i < (h + 1) * group; ++i) {
+            vec16 s = qv[i * nc] * kc[0];
+            for (int64_t c = 1; c < nc; ++c) s += qv[i * nc + c] * kc[c];
+            part[i * 16 + j] = s;
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        vec16 s = lane_sums16(part + g * 16);
-        std::memcpy(scores + g * max_len + t0, &s, n * sizeof(float));
+      for (int64_t i = 0; i < queries; ++i) {
+        vec16 s = lane_sums16(part + i * 16);
+        std::memcpy(scores + i * max_len + t0, &s, n * sizeof(float));
       }
     }
-    float inv[64];
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * max_len;
+    float inv[256];
+    for (int64_t i = 0; i < queries; ++i) {
+      float* si = scores + i * max_len;
       float peak = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) peak = sg[t] > peak ? sg[t] : peak;
+      for (int64_t t = 0; t < len; ++t) peak = si[t] > peak ? si[t] : peak;
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < len; ++t) {
-        sg[t] = exp_nonpositive(sg[t] - peak);
-        total += sg[t];
+        si[t] = exp_nonpositive(si[t] - peak);
+        total += si[t];
       }
-      inv[g] = 1.f / total;
+      inv[i] = 1.f / total;
     }
-    for (int64_t i = 0; i < group * nc; ++i) acc[i] = vec16{};
+    for (int64_t i = 0; i < queries * nc; ++i) acc[i] = vec16{};
     for (int64_t t = 0; t < len; ++t) {
-      const T* vrow = v + slots[t] * v_stride_s;
-      vec16 vc[C > 0 ? C : 16];
-      for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow + c * 16);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * max_len + t];
-        for (int64_t c = 0; c < nc; ++c) acc[g * nc + c] += p * vc[c];
+      if (t + 8 < len) prefetch_row<T, 3>(v + slots[t + 8] * v_stride_s, row_elems);
+      for (int64_t h = 0; h < kv_count; ++h) {
+        const T* vrow = v + slots[t] * v_stride_s + h * stride_h;
+        vec16 vc[C > 0 ? C : 16];
+        for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow + c * 16);
+        for (int64_t i = h * group; i < (h + 1) * group; ++i) {
+          const float p = scores[i * max_len + t];
+          for (int64_t c = 0; c < nc; ++c) acc[i * nc + c] += p * vc[c];
+        }
       }
     }
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < queries; ++i)
       for (int64_t c = 0; c < nc; ++c) {
-        const vec16 o = acc[g * nc + c] * inv[g];
-        for (int i = 0; i < 16; ++i) out[g * nc * 16 + c * 16 + i] = static_cast<T>(o[i]);
+        const vec16 o = acc[i * nc + c] * inv[i];
+        for (int l = 0; l < 16; ++l) out[i * head_dim + c * 16 + l] = static_cast<T>(o[l]);
       }
   }
 };
@@ -180,16 +205,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t max_len = 0;
   for (int64_t b = 0; b < bs; ++b) max_len = std::max(max_len, lens[b]);
   max_len = (max_len + 15) / 16 * 16;  // whole blocks of 16 scores are stored
+  // A task per request, all its KV heads (one stream through its slots) while there are
+  // requests enough to keep every thread busy; else a task per (request, KV head).
+  const int64_t kv_per_task = (bs >= 2 * at::get_num_threads() && kv_heads * group <= 256) ? kv_heads : 1;
+  const int64_t splits = kv_heads / kv_per_task, queries = kv_per_task * group;
 
-  at::parallel_for(0, bs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * max_len);
-    std::vector<vec16> work(group * (2 * (head_dim / 16) + 16));
+  at::parallel_for(0, bs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(queries * max_len);
+    std::vector<vec16> work(queries * (2 * (head_dim / 16) + 16));
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, h = i % kv_heads;
-      task.run(q_ptr + b * q.stride(0) + h * group * q.stride(1), q.stride(1), k_ptr + h * k_cache.stride(1),
-               v_ptr + h * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0),
+      const int64_t b = i / splits, h0 = (i % splits) * kv_per_task;
+      task.run(q_ptr + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1), k_ptr + h0 * k_cache.stride(1),
+               v_ptr + h0 * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), kv_per_task,
                table + rows[b] * table_stride, lens[b], max_len, scores.data(), work.data(),
-               out_ptr + (b * num_heads + h * group) * head_dim);
+               out_ptr + (b * num_heads + h0 * group) * head_dim);
     }
   });
 }
@@ -217,8 +246,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "decode_attention: CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "decode_attention: q, k and v must share a dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
-              "decode_attention: the head dimension must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 &&
+                  k_cache.stride(1) == v_cache.stride(1),
+              "decode_attention: the head dimension must be contiguous, K and V laid out alike");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && q.size(1) / k_cache.size(1) <= 64,
               "decode_attention: query heads must be 1-64 times the KV heads");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "decode_attention: head_dim must be a multiple of 16, <= 256");
