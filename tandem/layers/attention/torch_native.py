@@ -7,7 +7,7 @@ Requests are ragged; the model never computes padded tokens:
   query heads that share a KV head stacked on SDPA's query axis.
 - DECODE on CPU: Tandem's C++ kernel (tandem/kernels/csrc/decode_attention_cpu.cpp) reads
   each request's keys and values in place through the request's row of the ReqToTokenPool,
-  one parallel task per (request, KV head), in float32. It is built for the machine on
+  in float32, requests in parallel (docs/architecture.md). It is built for the machine on
   first use (tandem/kernels/cpu.py); where it cannot be (no C++ compiler) or the shapes do
   not suit it (head_dim not a multiple of 16), the PyTorch paths below run instead.
 - DECODE elsewhere: one query per request, a handful of kernels per layer whatever the
