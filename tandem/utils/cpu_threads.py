@@ -6,11 +6,14 @@ depends on what else runs: the HTTP and detokenizer processes stream every step'
 tokens while the next step computes, and other programs may load the machine. So the
 policy measures instead of guessing:
 - prefill uses every core (the other processes are mostly idle meanwhile);
-- decode starts on every core but one, and every `PROBE_EVERY` decode steps runs
-  `PROBE_STEPS` steps on the other candidate count (every core, or every core but one).
-  When those steps cost less than `SWITCH_MARGIN` of the steps just before them (time
-  per request of the batch), decode switches to that count; steps that cost twice what
-  the last probe's winner did (the machine got busy) probe at once. Measured on 2 cores
+- decode starts on every core but one, and every `PROBE_EVERY` decode steps probes:
+  `2 * PROBE_STEPS` steps alternate between the other candidate count (every core, or
+  every core but one) and the kept one, so that each probed step is compared with its
+  neighbours, of the same batch and nearly the same lengths (a batch that grows or
+  drains between two separate runs of steps would decide instead of the thread count).
+  When the probed steps' median costs less than `SWITCH_MARGIN` of the kept steps'
+  (time per request of the batch), decode switches to that count; steps that cost twice
+  what the last probe's winner did (the machine got busy) probe at once. Measured on 2 cores
   (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x faster on both cores of
   a quiet machine, a 7M model gains nothing from the second thread, and on a machine
   loaded with other work two threads can be several times slower than one.
@@ -33,7 +36,7 @@ from tandem.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
-PROBE_STEPS = 3  # decode steps per probe, and steps compared with them
+PROBE_STEPS = 3  # decode steps on the probed count per probe (alternating with the kept count)
 FIRST_PROBE_AFTER = 8  # decode steps before the first probe
 PROBE_EVERY = 200  # decode steps between probes
 SWITCH_MARGIN = 0.9  # the probed count wins when its steps cost under 90%
@@ -48,7 +51,7 @@ class ComputeThreads:
     probes: int = 0  # probes done (for the first one's earlier start)
     _since_probe: int = 0
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PROBE_STEPS))
-    _probe: list[float] | None = None  # costs at `alternative()` while probing
+    _probe: list[float] | None = None  # costs while probing: even steps at `alternative()`, odd kept
     _winner_cost: float | None = None  # cost per request of the count the last probe kept
 
     @classmethod
@@ -69,7 +72,8 @@ class ComputeThreads:
         if mode.is_extend():
             wanted = self.cores
         else:
-            wanted = self.alternative() if self._probe is not None else self.decode
+            probing_alternative = self._probe is not None and len(self._probe) % 2 == 0
+            wanted = self.alternative() if probing_alternative else self.decode
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted
@@ -79,14 +83,14 @@ class ComputeThreads:
         cost = seconds / max(1, batch_size)
         if self._probe is not None:
             self._probe.append(cost)
-            if len(self._probe) == PROBE_STEPS:
-                probed, kept = statistics.median(self._probe), statistics.median(self._recent)
+            if len(self._probe) == 2 * PROBE_STEPS:
+                probed, kept = statistics.median(self._probe[0::2]), statistics.median(self._probe[1::2])
                 logger.debug("decode threads: %d cost %.2f ms/request, %d cost %.2f", self.alternative(),
                              probed * 1e3, self.decode, kept * 1e3)
                 if probed < SWITCH_MARGIN * kept:
                     self.decode = self.alternative()
                     self._recent.clear()
-                    self._recent.extend(self._probe)
+                    self._recent.extend(self._probe[0::2])
                 self._winner_cost = min(probed, kept)
                 self._probe, self._since_probe = None, 0
                 self.probes += 1

@@ -9,15 +9,19 @@ from tandem.forward_batch import ForwardMode
 from tandem.utils.cpu_threads import FIRST_PROBE_AFTER, PROBE_EVERY, PROBE_STEPS, ComputeThreads
 
 
-def run_decode(policy: ComputeThreads, steps: int, seconds_at: dict[int, float], bs: int = 4) -> list[int]:
-    """`steps` decode steps whose duration depends on the thread count `apply` set;
-    returns the counts used."""
+def run_decode(policy: ComputeThreads, steps: int, seconds_at: dict[int, float], bs=4) -> list[int]:
+    """`steps` decode steps whose duration per request depends on the thread count `apply`
+    set; `bs` a batch size, or a function of the step's index; returns the counts used."""
     used = []
-    for _ in range(steps):
+    for i in range(steps):
         policy.apply(ForwardMode.DECODE)
         used.append(torch.get_num_threads())
-        policy.observe_decode(seconds_at[torch.get_num_threads()] * bs, bs)
+        size = bs(i) if callable(bs) else bs
+        policy.observe_decode(seconds_at[torch.get_num_threads()] * size, size)
     return used
+
+
+PROBE = [2, 1] * PROBE_STEPS  # a probe from one thread: the two counts alternate
 
 
 def test_decode_switches_to_the_faster_count_and_back():
@@ -27,15 +31,15 @@ def test_decode_switches_to_the_faster_count_and_back():
         policy.apply(ForwardMode.EXTEND)
         assert torch.get_num_threads() == 2, "prefill on every core"
         # Two threads twice as fast (a large model, quiet machine): the first probe switches.
-        used = run_decode(policy, FIRST_PROBE_AFTER + PROBE_STEPS + 5, {1: 0.02, 2: 0.01})
+        used = run_decode(policy, FIRST_PROBE_AFTER + 2 * PROBE_STEPS + 5, {1: 0.02, 2: 0.01})
         assert used[:FIRST_PROBE_AFTER] == [1] * FIRST_PROBE_AFTER
-        assert used[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + PROBE_STEPS] == [2] * PROBE_STEPS
+        assert used[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + 2 * PROBE_STEPS] == PROBE
         assert policy.decode == 2 and used[-5:] == [2] * 5
         # Then the machine gets loaded: two threads stall. Steps twice as slow as the
         # probe measured probe at once (not after PROBE_EVERY steps): one thread again.
-        used = run_decode(policy, 2 * PROBE_STEPS + 5, {1: 0.02, 2: 0.08})
+        used = run_decode(policy, 2 + 2 * PROBE_STEPS + 5, {1: 0.02, 2: 0.08})
         # (the median of the last PROBE_STEPS steps crosses after two slow ones)
-        assert used == [2, 2] + [1] * (2 * PROBE_STEPS + 3) and policy.decode == 1
+        assert used == [2, 2] + [1, 2] * PROBE_STEPS + [1] * 5 and policy.decode == 1
     finally:
         torch.set_num_threads(before)
 
@@ -44,9 +48,35 @@ def test_a_probe_that_is_not_clearly_faster_changes_nothing():
     before = torch.get_num_threads()
     try:
         policy = ComputeThreads(cores=2, decode=1)
-        used = run_decode(policy, FIRST_PROBE_AFTER + PROBE_STEPS + PROBE_EVERY, {1: 0.010, 2: 0.0095})
+        used = run_decode(policy, FIRST_PROBE_AFTER + 2 * PROBE_STEPS + PROBE_EVERY, {1: 0.010, 2: 0.0095})
         assert policy.decode == 1 and policy.probes == 1
         assert used.count(2) == PROBE_STEPS, "one probe, then the kept count until the next"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_draining_batch_does_not_decide_the_count():
+    """The batch shrinks step by step (requests finishing), so each step costs more per
+    request than the one before: compared with the steps before it, a probe of a faster
+    count would look slower. Alternating steps compare like with like."""
+    before = torch.get_num_threads()
+    try:
+        policy = ComputeThreads(cores=2, decode=1)
+        # Per-request cost falls with batch size (fixed weight reads shared by the batch).
+        seconds_at = {1: 0.010, 2: 0.007}
+        draining = lambda i: max(1, 64 - 6 * i)  # noqa: E731
+
+        def step_seconds(threads: int, size: int) -> float:
+            return seconds_at[threads] * (1 + 16 / size)
+
+        used = []
+        for i in range(FIRST_PROBE_AFTER + 2 * PROBE_STEPS + 1):
+            policy.apply(ForwardMode.DECODE)
+            used.append(torch.get_num_threads())
+            size = draining(i)
+            policy.observe_decode(step_seconds(torch.get_num_threads(), size) * size, size)
+        assert policy.decode == 2, "two threads are faster at every batch size"
+        assert used[FIRST_PROBE_AFTER + 2 * PROBE_STEPS] == 2
     finally:
         torch.set_num_threads(before)
 
