@@ -12,8 +12,10 @@ policy measures instead of guessing:
   neighbours, of the same batch and nearly the same lengths (a batch that grows or
   drains between two separate runs of steps would decide instead of the thread count).
   When the probed steps' median costs less than `SWITCH_MARGIN` of the kept steps'
-  (time per request of the batch), decode switches to that count; steps that cost twice
-  what the last probe's winner did (the machine got busy) probe at once. Measured on 2 cores
+  (time per request of the batch), decode switches to that count. A probe also comes at
+  once when steps cost twice what the last probe's winner did (the machine got busy) and
+  when the batch is twice as large, or half as large, as at the last probe: the best count
+  depends on the batch (a server's warm-up request decodes alone; a burst of 64 does not). Measured on 2 cores
   (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x faster on both cores of
   a quiet machine, a 7M model gains nothing from the second thread, and on a machine
   loaded with other work two threads can be several times slower than one.
@@ -53,6 +55,7 @@ class ComputeThreads:
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PROBE_STEPS))
     _probe: list[float] | None = None  # costs while probing: even steps at `alternative()`, odd kept
     _winner_cost: float | None = None  # cost per request of the count the last probe kept
+    _probe_batch: int = 0  # batch size at the last probe
 
     @classmethod
     def for_device(cls, device: str, ranks: int = 1) -> "ComputeThreads | None":
@@ -92,6 +95,7 @@ class ComputeThreads:
                     self._recent.clear()
                     self._recent.extend(self._probe[0::2])
                 self._winner_cost = min(probed, kept)
+                self._probe_batch = batch_size
                 self._probe, self._since_probe = None, 0
                 self.probes += 1
             return
@@ -102,5 +106,6 @@ class ComputeThreads:
         due = FIRST_PROBE_AFTER if self.probes == 0 else PROBE_EVERY
         slower = (self._winner_cost is not None
                   and statistics.median(self._recent) > SLOWDOWN_PROBE * self._winner_cost)
-        if self._since_probe >= due or slower:
+        resized = self.probes > 0 and not self._probe_batch / 2 < batch_size < 2 * self._probe_batch
+        if self._since_probe >= due or slower or (resized and self._since_probe >= PROBE_STEPS):
             self._probe = []

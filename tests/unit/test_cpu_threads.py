@@ -81,6 +81,24 @@ def test_a_draining_batch_does_not_decide_the_count():
         torch.set_num_threads(before)
 
 
+def test_a_batch_twice_as_large_probes_again():
+    """A server's warm-up request decodes alone, where two threads gain nothing, and the
+    decision made then must not hold when a burst of requests decodes together."""
+    before = torch.get_num_threads()
+    try:
+        policy = ComputeThreads(cores=2, decode=1)
+        run_decode(policy, FIRST_PROBE_AFTER + 2 * PROBE_STEPS + 4, {1: 0.010, 2: 0.010}, bs=1)
+        assert policy.decode == 1 and policy.probes == 1
+        used = run_decode(policy, 3 * PROBE_STEPS + 4, {1: 0.002, 2: 0.001}, bs=16)
+        assert policy.probes == 2 and policy.decode == 2, "probed again at 16 requests, well before PROBE_EVERY"
+        assert used[-4:] == [2] * 4
+        # A batch of similar size does not probe again before PROBE_EVERY steps.
+        run_decode(policy, 20, {1: 0.002, 2: 0.001}, bs=24)
+        assert policy.probes == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_core_never_probes():
     policy = ComputeThreads(cores=1, decode=1)
     assert run_decode(policy, FIRST_PROBE_AFTER + 20, {1: 0.01}) == [1] * (FIRST_PROBE_AFTER + 20)
