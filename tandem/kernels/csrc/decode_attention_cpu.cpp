@@ -1,10 +1,11 @@
 // One-token (decode) attention per request, reading the paged KV pool in place, on CPU.
 //
-// For each (request, KV head) pair, one task: the G query heads sharing that KV head are
-// scored against the request's keys (slots req_to_token[req_pool_indices[b], 0:seq_len]),
-// softmaxed and applied to its values, all in float32, without copying any key or value.
-// Tasks run in parallel with at::parallel_for (PyTorch's OpenMP threads). Loops are
-// written for the compiler to vectorize (built with -O3 -march=native by cpu.py).
+// Each task takes one request and some of its KV heads (all of them when there are requests
+// enough for every thread, else one): the query heads sharing each KV head are scored
+// against the request's keys (slots req_to_token[req_pool_indices[b], 0:seq_len]), 16 keys
+// at a time, softmaxed and applied to its values, all in float32, without copying any key
+// or value. Tasks run in parallel with at::parallel_for (PyTorch's OpenMP threads). Loops
+// are written for the compiler to vectorize (built with -O3 -march=native by cpu.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
