@@ -86,7 +86,9 @@ class ForwardExecutor:
         if self.compute_threads is not None and mode.is_decode():
             self.compute_threads.observe_decode(end - start, mwb.forward_batch.batch_size)
         fb = mwb.forward_batch
-        self.stats.record(start, end, f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens} threads={torch.get_num_threads()}")
+        what = (f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens} threads={torch.get_num_threads()}"
+                if logger.isEnabledFor(logging.DEBUG) else "")
+        self.stats.record(start, end, what)
         return result
 
     def close(self) -> None:
