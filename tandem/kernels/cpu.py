@@ -8,7 +8,7 @@ PyTorch, with `-O3 -march=native` (the build is for this machine's CPU), into
 `$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name that hashes the
 sources, the flags, PyTorch's version and the CPU, so a change of any of them rebuilds.
 `make install` builds it (`python -m tandem.kernels.cpu`); otherwise the first server
-start on a machine does (a few seconds). Concurrent builds (tensor-parallel ranks
+start on a machine does (about ten seconds on 2 cores). Concurrent builds (tensor-parallel ranks
 starting together) each write a temporary file and rename it into place.
 """
 

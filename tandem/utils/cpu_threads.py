@@ -15,10 +15,11 @@ policy measures instead of guessing:
   (time per request of the batch), decode switches to that count. A probe also comes at
   once when steps cost twice what the last probe's winner did (the machine got busy) and
   when the batch is twice as large, or half as large, as at the last probe: the best count
-  depends on the batch (a server's warm-up request decodes alone; a burst of 64 does not). Measured on 2 cores
-  (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x faster on both cores of
-  a quiet machine, a 7M model gains nothing from the second thread, and on a machine
-  loaded with other work two threads can be several times slower than one.
+  depends on the batch (a server's warm-up request decodes alone; a burst of 64 does not).
+  Measured on 2 cores (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x
+  faster on both cores of a quiet machine, a 7M model gains nothing from the second
+  thread, and on a machine loaded with other work two threads can be several times
+  slower than one.
 The ranks of a tensor-parallel group on one machine split its cores evenly (each rank's
 "every core" is its share), so that no two compute threads share a core.
 OMP_NUM_THREADS, when set, fixes the count for everything.

@@ -20,15 +20,6 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
 // exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf range reduction and
 // polynomial (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use),
 // written branch-free so that the loop calling it vectorizes.
@@ -98,11 +89,11 @@ inline vec16 lane_sums16(vec16* v) {
 
 // Asks for a key or value row ahead of its use: a request's decode-time slots are spread
 // over the pool (one per step, interleaved with the other requests'), which the hardware
-// prefetchers do not follow. `level`: __builtin_prefetch's locality (2: to L2).
-template <typename T, int level>
+// prefetchers do not follow. To L2 (__builtin_prefetch's locality 2).
+template <typename T>
 inline void prefetch_row(const T* row, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, level);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 // One task: one request, KV heads [h0, h0 + kv_count) and their `group` query heads each
@@ -126,13 +117,13 @@ struct DecodeTask {
     vec16* part = acc + queries * nc;  // [queries][16] partial dot products of 16 keys
     for (int64_t i = 0; i < queries; ++i)
       for (int64_t c = 0; c < nc; ++c) qv[i * nc + c] = load16(q + i * q_stride_h + c * 16) * scale;
-    for (int64_t j = 0; j < std::min<int64_t>(32, len); ++j) prefetch_row<T, 2>(k + slots[j] * k_stride_s, row_elems);
+    for (int64_t j = 0; j < std::min<int64_t>(32, len); ++j) prefetch_row(k + slots[j] * k_stride_s, row_elems);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
       // Keys two blocks ahead to L2 (measured: one block ahead to L1, with this block's
       // values to L2, was 15-18% slower on the 100m model's shapes at 64 requests).
       for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 48, len); ++j)
-        prefetch_row<T, 2>(k + slots[j] * k_stride_s, row_elems);
+        prefetch_row(k + slots[j] * k_stride_s, row_elems);
       for (int64_t j = 0; j < 16; ++j) {
         if (j >= n) {
           for (int64_t i = 0; i < queries; ++i) part[i * 16 + j] = vec16{};
@@ -169,7 +160,7 @@ struct DecodeTask {
     }
     for (int64_t i = 0; i < queries * nc; ++i) acc[i] = vec16{};
     for (int64_t t = 0; t < len; ++t) {
-      if (t + 24 < len) prefetch_row<T, 2>(v + slots[t + 24] * v_stride_s, row_elems);
+      if (t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
       for (int64_t h = 0; h < kv_count; ++h) {
         const T* vrow = v + slots[t] * v_stride_s + h * stride_h;
         vec16 vc[C > 0 ? C : 16];
