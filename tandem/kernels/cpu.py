@@ -1,4 +1,5 @@
-"""Tandem's C++ CPU kernels (csrc/*_cpu.cpp): built once per machine, loaded on demand.
+"""Tandem's C++ CPU kernels (csrc/*_cpu.cpp, sharing csrc/vec.h): built once per machine,
+loaded on demand.
 
 `load()` returns the loaded ops (`torch.ops.tandem_cpu`) or None when they cannot be had
 (no C++ compiler, a build error, `TANDEM_DISABLE_CPU_KERNELS=1`); callers then use their
@@ -29,7 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp",)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -60,7 +63,7 @@ def _compile_command(cxx: str, out: Path) -> list[str]:
 
 def library_path() -> Path:
     key = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         key.update(src.read_bytes())
     key.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_signature().encode())
     return cache_dir() / f"tandem_cpu_{key.hexdigest()[:16]}.so"
@@ -99,6 +102,21 @@ def load():
         logger.warning("Tandem's C++ CPU kernels are unavailable, using PyTorch fallbacks: %s", exc)
         return None
     return torch.ops.tandem_cpu
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def ops_for(*tensors: torch.Tensor):
+    """`load()`'s kernels when they may take `tensors`: CPU tensors of one dtype among
+    float32, bfloat16 and float16, none requiring grad where grad is on (the kernels have
+    no backward); else None, and the caller runs its PyTorch code."""
+    first = tensors[0]
+    if not first.is_cpu or first.dtype not in _DTYPES or any(t.dtype != first.dtype for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return load()
 
 
 if __name__ == "__main__":

@@ -6,13 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """`silu(x[..., :d]) * x[..., d:]` for `x` of width `2 * d` (the fused gate/up
-    projection's output): two kernels, one new tensor ([..., d], contiguous); the product
-    is taken in place on the SiLU's output. Rounding as Hugging Face's `act_fn(gate) * up`
-    (each op rounds to the input's dtype)."""
+    projection's output) into one new tensor ([..., d], contiguous), rounding as Hugging
+    Face's `act_fn(gate) * up` (each op rounds to the input's dtype). On CPU one pass of
+    Tandem's C++ kernel (its exp may differ from PyTorch's in float32's last bit); else
+    two PyTorch kernels, the product taken in place on the SiLU's output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_kernels.ops_for(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])

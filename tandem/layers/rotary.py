@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -63,22 +65,26 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
         self.register_buffer("cos_sin_cache", table.to(dtype or torch.get_default_dtype()), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's (cos, signed sin), [tokens, 1, rotary_dim] each: what `forward`
-        rotates by. A model looks them up once per forward for all its layers."""
-        cos_sin = torch.index_select(self.cos_sin_cache, 0, positions).unsqueeze(2)  # [T, 2, 1, R]
-        return cos_sin[:, 0], cos_sin[:, 1]
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's cos and signed sin, [tokens, 2, rotary_dim]: what `rotate` rotates
+        by. A model looks them up once per forward for all its layers."""
+        return torch.index_select(self.cos_sin_cache, 0, positions)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`rotate(x, lookup(positions))`."""
         return self.rotate(x, self.lookup(positions))
 
-    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Rotates `x` in place by `cos_sin` (`lookup`'s) and returns it: [tokens, heads,
         head_dim], any heads of each token (the query and key heads side by side, a view
         of the QKV projection's output, in one call). Per element as Hugging Face:
-        `x * cos + rotate_half(x) * sin`."""
-        cos, sin = cos_sin
+        `x * cos + rotate_half(x) * sin`, each op rounding to the dtype, bit for bit: on CPU
+        in one pass of Tandem's C++ kernel, else in four PyTorch ops."""
+        ops = cpu_kernels.ops_for(x, cos_sin)
+        if ops is not None and x.dim() == 3 and x.stride(-1) == 1:
+            ops.rotary_embedding(x, cos_sin)
+            return x
+        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)  # [tokens, 1, rotary_dim]
         rot = x if self.rotary_dim == x.shape[-1] else x[..., : self.rotary_dim]
         rotated_half = torch.roll(rot, self.rotary_dim // 2, dims=-1).mul_(sin)
         rot.mul_(cos).add_(rotated_half)

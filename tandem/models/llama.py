@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, fb: ForwardBatch,
+    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
                 ctx: ModelContext):
         """`cos_sin`: the batch's tokens' rotation, `RotaryEmbedding.lookup(positions)`."""
         qkv = self.qkv_proj.forward(hidden)

@@ -1,7 +1,11 @@
 """The per-layer elementwise ops (RMSNorm with its residual add, rotary embedding,
-SiLU-and-mul) against the plain formulas Hugging Face's Llama computes: equal in float32
-and in bfloat16 where the rounding steps are the same, within bfloat16's rounding where
-only the tables' rounding differs."""
+SiLU-and-mul) against the plain formulas Hugging Face's Llama computes, in both of their
+implementations (`impl`): Tandem's C++ CPU kernels and the PyTorch code that runs without
+them. PyTorch's: equal in float32 and bfloat16 where the rounding steps are the same,
+within bfloat16's rounding where only the tables' rounding differs. The kernels: the
+rotary embedding equal; RMSNorm and SiLU-and-mul within float32's last bits (another
+summation order, another exp), which rounding to bfloat16 or float16 almost always hides.
+All run under inference mode, as the model does."""
 
 from __future__ import annotations
 
@@ -11,11 +15,37 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=["kernel", "pytorch"], autouse=True)
+def impl(request, monkeypatch):
+    """Which implementation the layers run: the C++ kernels, or PyTorch's ops."""
+    if request.param == "kernel" and cpu_kernels.load() is None:
+        pytest.skip("Tandem's C++ CPU kernels could not be built here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_kernels, "ops_for", lambda *tensors: None)
+    with torch.inference_mode():
+        yield request.param
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, impl: str) -> None:
+    """Bit for bit from PyTorch's ops; from a kernel, float32 within its last bits, and
+    bfloat16/float16 at most one unit in the last place apart and equal almost everywhere."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if impl == "pytorch":
+        assert torch.equal(out, expected)
+    elif out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:
+        ulp = torch.finfo(out.dtype).eps
+        torch.testing.assert_close(out.float(), expected.float(), rtol=ulp, atol=1e-6)
+        assert (out == expected).float().mean() > 0.99
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,18 +63,17 @@ def make_norm(hidden: int, dtype: torch.dtype) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_equals_hf_formula(dtype):
+def test_rms_norm_equals_hf_formula(dtype, impl):
     torch.manual_seed(0)
-    norm = make_norm(96, dtype)
-    for rows in (1, 5, 300):
-        x = (3 * torch.randn(rows, 96)).to(dtype)
-        out = norm(x)
-        assert out.dtype == dtype
-        assert torch.equal(out, hf_rms_norm(x, norm.weight, norm.eps))
+    for width in (96, 768, 20):  # whole 16-element blocks, and a tail
+        norm = make_norm(width, dtype)
+        for rows in (1, 5, 300):  # 300 rows: split over threads
+            x = (3 * torch.randn(rows, width)).to(dtype)
+            assert_matches(norm(x), hf_rms_norm(x, norm.weight, norm.eps), impl)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_with_residual_adds_then_normalizes(dtype):
+def test_rms_norm_with_residual_adds_then_normalizes(dtype, impl):
     """`norm(x, residual)` is `(norm(x + residual), x + residual)`, the sum in `dtype`
     taken in place into `x` (a sublayer's fresh output); `residual` is left as it was."""
     torch.manual_seed(1)
@@ -54,17 +83,18 @@ def test_rms_norm_with_residual_adds_then_normalizes(dtype):
     out, new_residual = norm(x, residual)
     expected_sum = residual0 + x0
     assert torch.equal(new_residual, expected_sum)
-    assert torch.equal(out, hf_rms_norm(expected_sum, norm.weight, norm.eps))
+    assert_matches(out, hf_rms_norm(expected_sum, norm.weight, norm.eps), impl)
     assert new_residual.data_ptr() == x.data_ptr() and torch.equal(residual, residual0)
 
 
-def test_rms_norm_over_heads():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_over_heads(dtype, impl):
     """Qwen3's per-head q/k norm: the last axis of a [tokens, heads, head_dim] view."""
     torch.manual_seed(2)
-    norm = make_norm(16, torch.float32)
-    qkv = torch.randn(3, 10 * 16)
+    norm = make_norm(16, dtype)
+    qkv = torch.randn(3, 10 * 16).to(dtype)
     q = qkv[:, : 6 * 16].view(3, 6, 16)  # a strided view, as LlamaAttention passes it
-    assert torch.equal(norm(q), hf_rms_norm(q, norm.weight, norm.eps))
+    assert_matches(norm(q), hf_rms_norm(q, norm.weight, norm.eps), impl)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +110,7 @@ def cos_sin(rope: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_equals_rotate_half_formula(dtype):
+def test_rotary_equals_rotate_half_formula(dtype, impl):
     """q and k rotated in one call, in place on adjacent views of a QKV output, equal
     Hugging Face's `q * cos + rotate_half(q) * sin` on the same cos/sin, in the table's
     dtype; the V part of the output is untouched."""
@@ -103,7 +133,7 @@ def test_rotary_equals_rotate_half_formula(dtype):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
-def test_rotary_close_to_transformers(dtype, tol):
+def test_rotary_close_to_transformers(dtype, tol, impl):
     """Against transformers' own LlamaRotaryEmbedding + apply_rotary_pos_emb, whose tables
     are computed in float32 (ours in float64, rounded; float32 angles drift by ~1e-4 at
     position 2047): equal up to the tables' rounding."""
@@ -121,10 +151,11 @@ def test_rotary_close_to_transformers(dtype, tol):
     torch.testing.assert_close(out[:, 4:], ref_k[0].transpose(0, 1), atol=tol, rtol=tol)
 
 
-def test_partial_rotary_keeps_the_rest():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_keeps_the_rest(dtype, impl):
     torch.manual_seed(5)
-    rope = RotaryEmbedding(64, 32, 128, 10000.0, dtype=torch.float32)
-    x, positions = torch.randn(4, 3, 64), torch.tensor([1, 2, 50, 127])
+    rope = RotaryEmbedding(64, 32, 128, 10000.0, dtype=dtype)
+    x, positions = torch.randn(4, 3, 64).to(dtype), torch.tensor([1, 2, 50, 127])
     out = rope(positions, x.clone())
     cos, sin = cos_sin(rope, positions)
     assert torch.equal(out[..., 32:], x[..., 32:])
@@ -132,12 +163,35 @@ def test_partial_rotary_keeps_the_rest():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_equals_formula(dtype):
+def test_silu_and_mul_equals_formula(dtype, impl):
     torch.manual_seed(6)
-    gate_up = (2 * torch.randn(11, 2 * 40)).to(dtype)
-    before = gate_up.clone()
-    out = SiluAndMul()(gate_up)
-    gate, up = before.chunk(2, dim=-1)
-    assert out.dtype == dtype and out.is_contiguous()
-    assert torch.equal(out, F.silu(gate) * up)
-    assert torch.equal(gate_up, before)
+    for rows, d in ((11, 40), (64, 2816), (3, 8)):
+        gate_up = (4 * torch.randn(rows, 2 * d)).to(dtype)
+        gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # exp's clamps
+        before = gate_up.clone()
+        out = SiluAndMul()(gate_up)
+        gate, up = before.chunk(2, dim=-1)
+        assert out.is_contiguous()
+        assert_matches(out, F.silu(gate) * up, impl)
+        assert torch.equal(gate_up, before)
+
+
+def test_kernels_refuse_what_they_do_not_take():
+    """Called directly, the kernels name what is wrong instead of reading out of bounds;
+    the layers send such tensors to PyTorch's ops instead."""
+    ops = cpu_kernels.load()
+    if ops is None:
+        pytest.skip("no kernels here")
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(x, torch.ones(16), 1e-5)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.fused_add_rms_norm(x, torch.randn(4, 16), torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous last axis"):
+        ops.silu_and_mul(x.t())
+    with pytest.raises(RuntimeError, match="rot even"):
+        ops.rotary_embedding(x.view(4, 1, 32), torch.randn(4, 2, 48))
+    assert cpu_kernels.ops_for(x, torch.ones(32, dtype=torch.float64)) is None
+    assert cpu_kernels.ops_for(x.to(torch.float64)) is None

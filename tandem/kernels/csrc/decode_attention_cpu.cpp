@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,52 +22,7 @@
 
 namespace {
 
-// exp(x) for x <= 0 (softmax after subtracting the max): Cephes' expf range reduction and
-// polynomial (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use),
-// written branch-free so that the loop calling it vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// 16 floats: GCC/Clang vector extensions, lowered to the machine's widest registers
-// (one AVX-512 register, two AVX2 ones, four NEON ones).
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-typedef uint32_t uvec16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline vec16 load16(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
-  vec16 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-inline vec16 load16(const c10::Half* p) {
-  vec16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
+using namespace tandem_cpu;
 
 // Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
 inline vec16 lane_sums16(vec16* v) {

@@ -1,0 +1,229 @@
+// The per-layer elementwise work of a Llama-family model, one pass over memory each, on CPU:
+// RMSNorm (with the residual add folded in), SiLU-and-mul and the rotary embedding.
+//
+// Each computes in float32 and rounds where Hugging Face's formulas round (each PyTorch op
+// of theirs stores its result in the model's dtype), so that the rotary embedding equals
+// theirs bit for bit and SiLU-and-mul up to exp's last bit; RMSNorm sums its squares in
+// another order than PyTorch's reduction (float32 ulps). Rows (tokens, or (token, head)
+// pairs) are split over PyTorch's OpenMP threads when there are enough of them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using namespace tandem_cpu;
+
+// Up to 16 elements (the tail of a row) as a vector, zeros beyond `n`; and back.
+template <typename T>
+inline vec16 load_n(const T* p, int64_t n) {
+  if (n == 16) return load16(p);
+  T tmp[16] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load16(tmp);
+}
+template <typename T>
+inline void store_n(T* p, vec16 v, int64_t n) {
+  if (n == 16) return store16(p, v);
+  T tmp[16];
+  store16(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(T));
+}
+
+inline float lane_sum(vec16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// The rows of a [A, B, width] tensor (2-D: B = 1) whose last axis is contiguous.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t a_stride, b_stride, b_size, count, width;
+
+  static Rows of(const at::Tensor& x) {
+    TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+                "expected a 2-D or 3-D tensor with a contiguous last axis");
+    const bool three = x.dim() == 3;
+    return {x.data_ptr<T>(), x.stride(0), three ? x.stride(1) : 0, three ? x.size(1) : 1,
+            three ? x.size(0) * x.size(1) : x.size(0), x.size(-1)};
+  }
+  T* operator[](int64_t r) const { return base + (r / b_size) * a_stride + (r % b_size) * b_stride; }
+};
+
+// Rows per parallel task: at least ~16K elements, below which a second thread costs more
+// than it saves.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// out = round(round(x * rsqrt(mean(x^2) + eps)) * weight), Hugging Face's LlamaRMSNorm.
+template <typename T>
+inline void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  vec16 acc{};
+  for (int64_t i = 0; i < width; i += 16) {
+    const vec16 v = load_n(x + i, std::min<int64_t>(16, width - i));
+    acc += v * v;
+  }
+  const float r = 1.f / std::sqrt(lane_sum(acc) / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; i += 16) {
+    const int64_t n = std::min<int64_t>(16, width - i);
+    store_n(out + i, round_to<T>(load_n(x + i, n) * r) * load_n(weight + i, n), n);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const Rows<T> in = Rows<T>::of(x);
+  T* out_ptr = out.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, in.count, grain(in.width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(in[r], w, out_ptr + r * in.width, in.width, eps);
+  });
+}
+
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                             at::Tensor& out) {
+  const Rows<T> sum = Rows<T>::of(x), res = Rows<T>::of(residual);
+  T* out_ptr = out.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, sum.count, grain(sum.width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* s = sum[r];
+      const T* rr = res[r];
+      for (int64_t i = 0; i < sum.width; i += 16) {
+        const int64_t n = std::min<int64_t>(16, sum.width - i);
+        store_n(s + i, load_n(s + i, n) + load_n(rr + i, n), n);
+      }
+      norm_row(s, w, out_ptr + r * sum.width, sum.width, eps);
+    }
+  });
+}
+
+// silu(g) = g / (1 + exp(-g)), as PyTorch's vectorized SiLU.
+inline vec16 silu16(vec16 g) { return g / (1.f + exp16(-g)); }
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const Rows<T> in = Rows<T>::of(x);
+  const int64_t d = in.width / 2;
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, in.count, grain(in.width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in[r];
+      const T* up = gate + d;
+      for (int64_t i = 0; i < d; i += 16) {
+        const int64_t n = std::min<int64_t>(16, d - i);
+        store_n(out_ptr + r * d + i, round_to<T>(silu16(load_n(gate + i, n))) * load_n(up + i, n), n);
+      }
+    }
+  });
+}
+
+// Rotates the first `rot` elements of each row: with halves x1, x2 and the table's cos and
+// signed sin ([-sin, sin]), x1' = round(round(x1 cos) + round(x2 -sin)) and
+// x2' = round(round(x2 cos) + round(x1 sin)): `x * cos + rotate_half(x) * sin`.
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& cos_sin) {
+  const Rows<T> rows = Rows<T>::of(x);
+  const int64_t rot = cos_sin.size(2), half = rot / 2, heads = rows.b_size;
+  const T* table = cos_sin.data_ptr<T>();
+  at::parallel_for(0, rows.count, grain(rot), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = rows[r];
+      const T* cos = table + (r / heads) * 2 * rot;
+      const T* sin = cos + rot;
+      for (int64_t i = 0; i < half; i += 16) {
+        const int64_t n = std::min<int64_t>(16, half - i);
+        const vec16 x1 = load_n(row + i, n), x2 = load_n(row + half + i, n);
+        const vec16 a = round_to<T>(x1 * load_n(cos + i, n)) + round_to<T>(x2 * load_n(sin + i, n));
+        const vec16 b = round_to<T>(x2 * load_n(cos + half + i, n)) + round_to<T>(x1 * load_n(sin + half + i, n));
+        store_n(row + i, a, n);
+        store_n(row + half + i, b, n);
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(const at::Tensor& x, const char* op, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return f(float{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    case at::kHalf:
+      return f(c10::Half{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
+void check(const at::Tensor& x, const at::Tensor& other, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && other.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == other.scalar_type(), op, ": tensors must share a dtype");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, op,
+              ": expected a 2-D or 3-D tensor with a contiguous last axis");
+}
+
+// x [rows, width] or [tokens, heads, width]; weight [width], x's dtype. A new contiguous tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check(x, weight, "rms_norm");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
+              "rms_norm: weight must be [width], contiguous");
+  auto out = at::empty(x.sizes(), x.options());
+  dispatch(x, "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, eps, out); });
+  return out;
+}
+
+// x += residual in place (x's dtype), then returns rms_norm(x, weight, eps).
+at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check(x, residual, "fused_add_rms_norm");
+  check(residual, weight, "fused_add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: x and residual must have one shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
+              "fused_add_rms_norm: weight must be [width], contiguous");
+  auto out = at::empty(x.sizes(), x.options());
+  dispatch(x, "fused_add_rms_norm", [&](auto t) { fused_add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out); });
+  return out;
+}
+
+// x [rows, 2 * d] (gate then up); returns silu(gate) * up, [rows, d], contiguous.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check(x, x, "silu_and_mul");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: expected [rows, 2 * d]");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  dispatch(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+  return out;
+}
+
+// x [tokens, heads, head_dim] (any strides but the last), rotated in place by cos_sin
+// [tokens, 2, rot] (each token's cos and signed sin, rot even and <= head_dim, x's dtype).
+void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin) {
+  check(x, cos_sin, "rotary_embedding");
+  TORCH_CHECK(x.dim() == 3 && cos_sin.dim() == 3 && cos_sin.is_contiguous() && cos_sin.size(0) == x.size(0) &&
+                  cos_sin.size(1) == 2 && cos_sin.size(2) % 2 == 0 && cos_sin.size(2) <= x.size(2),
+              "rotary_embedding: expected x [tokens, heads, head_dim] and cos_sin [tokens, 2, rot], rot even");
+  dispatch(x, "rotary_embedding", [&](auto t) { rotary_impl<decltype(t)>(x, cos_sin); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+}

@@ -1,0 +1,131 @@
+// Helpers shared by Tandem's C++ CPU kernels: 16-float vectors (GCC/Clang vector
+// extensions, lowered to the machine's widest registers: one AVX-512 register, two AVX2
+// ones, four NEON ones), loads and stores of 16 elements of each dtype, and exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace tandem_cpu {
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef uint32_t uvec16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 88 (larger x: use `exp_clamped`): Cephes' expf range reduction and
+// polynomial (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use),
+// written branch-free so that the loop calling it vectorizes.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// exp of 16 floats: the same steps as `exp_nonpositive`, on vectors, for inputs from -87
+// (below: exp(-87) ~ 1.6e-38) to 88.72 (above: +inf, as float's exp overflows).
+inline vec16 exp16(vec16 x) {
+  const vec16 in = x;
+  x = x < -87.0f ? vec16{} - 87.0f : x;
+  x = x > 88.72f ? vec16{} + 88.72f : x;
+  const vec16 t = x * 1.44269504088896341f + 0.5f;
+  ivec16 ni = __builtin_convertvector(t, ivec16);  // toward zero, then down to floor(t)
+  ni += __builtin_convertvector(ni, vec16) > t;    // a true comparison is -1
+  const vec16 n = __builtin_convertvector(ni, vec16);
+  vec16 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vec16 p = vec16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec16 bits = (ni + 126) << 23;  // 2^(n-1): n reaches 128 near the top
+  vec16 half_scale;
+  std::memcpy(&half_scale, &bits, sizeof(half_scale));
+  const vec16 result = p * half_scale * 2.0f;
+  return in > 88.72f ? vec16{} + __builtin_inff() : result;
+}
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vec16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  uvec16 bits = __builtin_convertvector(h, uvec16) << 16;
+  vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline vec16 load16(const c10::Half* p) {
+  vec16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// bfloat16 bit patterns (in 32-bit lanes) of 16 floats, rounded as PyTorch rounds: to
+// nearest even, a NaN kept a NaN.
+inline uvec16 bf16_bits(vec16 v) {
+  uvec16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uvec16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uvec16 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;  // all ones where NaN
+  return (rounded & ~nan) | (0x7FC0u & nan);
+}
+
+// Stores 16 floats rounded to the destination's dtype.
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(c10::BFloat16* p, vec16 v) {
+  const u16x16 h = __builtin_convertvector(bf16_bits(v), u16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+inline void store16(c10::Half* p, vec16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// v rounded to T's precision and back: what PyTorch's op in T would have stored, for
+// formulas that round between ops as Hugging Face's do. For float, v as it is, computed
+// on its own: the compiler may not fuse the product that made it into a later add (an FMA
+// rounds once where PyTorch's two ops round twice).
+template <typename T>
+inline vec16 round_to(vec16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_assoc_barrier)
+    return __builtin_assoc_barrier(v);
+#endif
+#endif
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uvec16 bits = bf16_bits(v) << 16;
+    vec16 r;
+    std::memcpy(&r, &bits, sizeof(r));
+    return r;
+  } else {
+    T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+}  // namespace tandem_cpu
