@@ -13,9 +13,12 @@ policy measures instead of guessing:
   drains between two separate runs of steps would decide instead of the thread count).
   When the probed steps' median costs less than `SWITCH_MARGIN` of the kept steps'
   (time per request of the batch), decode switches to that count. A probe also comes at
-  once when steps cost twice what the last probe's winner did (the machine got busy) and
-  when the batch is twice as large, or half as large, as at the last probe: the best count
+  once when steps cost twice what the last probe's winner did (the machine got busy), when
+  the batch is half as large as at the last probe, and when it is twice as large unless
+  every core already won (a larger batch only parallelizes better): the best count
   depends on the batch (a server's warm-up request decodes alone; a burst of 64 does not).
+  Each probe's steps on the slower count cost time (at 16 requests on 2 cores, three
+  steps of 44 ms instead of 26).
   Measured on 2 cores (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x
   faster on both cores of a quiet machine, a 7M model gains nothing from the second
   thread, and on a machine loaded with other work two threads can be several times
@@ -107,6 +110,8 @@ class ComputeThreads:
         due = FIRST_PROBE_AFTER if self.probes == 0 else PROBE_EVERY
         slower = (self._winner_cost is not None
                   and statistics.median(self._recent) > SLOWDOWN_PROBE * self._winner_cost)
-        resized = self.probes > 0 and not self._probe_batch / 2 < batch_size < 2 * self._probe_batch
+        # A larger batch only parallelizes better: once every core won, growth is no reason.
+        grew = batch_size >= 2 * self._probe_batch and self.decode < self.cores
+        resized = self.probes > 0 and (grew or batch_size <= self._probe_batch / 2)
         if self._since_probe >= due or slower or (resized and self._since_probe >= PROBE_STEPS):
             self._probe = []

@@ -99,6 +99,22 @@ def test_a_batch_twice_as_large_probes_again():
         torch.set_num_threads(before)
 
 
+def test_a_larger_batch_keeps_every_core_without_probing():
+    """Once every core won, a batch that grows does not probe (its steps on fewer threads
+    would only cost time); one that shrinks to half does."""
+    before = torch.get_num_threads()
+    try:
+        policy = ComputeThreads(cores=2, decode=1)
+        run_decode(policy, FIRST_PROBE_AFTER + 2 * PROBE_STEPS + 4, {1: 0.004, 2: 0.002}, bs=4)
+        assert policy.decode == 2 and policy.probes == 1
+        used = run_decode(policy, 20, {1: 0.002, 2: 0.001}, bs=64)
+        assert policy.probes == 1 and used == [2] * 20
+        used = run_decode(policy, 3 * PROBE_STEPS + 4, {1: 0.004, 2: 0.002}, bs=2)
+        assert policy.probes == 2 and 1 in used and policy.decode == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_core_never_probes():
     policy = ComputeThreads(cores=1, decode=1)
     assert run_decode(policy, FIRST_PROBE_AFTER + 20, {1: 0.01}) == [1] * (FIRST_PROBE_AFTER + 20)
