@@ -38,7 +38,7 @@ def assert_idle_invariant(base_url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
-    """Outputs of the default server (radix cache, chunked prefill 2048, fcfs), one at a time."""
+    """Outputs of the default server (radix cache, default chunked prefill, fcfs), one at a time."""
     with ServerHandle(tiny_llama_dir) as server:
         outs = [run_all(server.base_url, [p], GREEDY)[0] for p in PROMPTS]
         yield server, [o["output_ids"] for o in outs]

@@ -4,6 +4,8 @@ stops the start naming the flag. SGLang's defaults (random seed, chunk size)."""
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import logging
 
@@ -90,7 +92,8 @@ def test_sglang_defaults():
     assert _parse("--random-seed", "7").random_seed == 7
     assert _parse("--chunked-prefill-size", "-1").chunked_prefill_size == -1
     assert _parse(*["--device", "cpu"]).chunked_prefill_size == default_chunked_prefill_size("cpu")
-    assert default_chunked_prefill_size("cpu") in (2048, 4096, 8192, 16384)
+    cores = len(os.sched_getaffinity(0))
+    assert default_chunked_prefill_size("cpu") == min(max(1024, 512 * cores), default_chunked_prefill_size("mps"))
     assert default_chunked_prefill_size("mps") == 4096
 
 
