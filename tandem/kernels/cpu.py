@@ -51,14 +51,26 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compile_command(cxx: str, out: Path) -> list[str]:
+def _compile_commands(cxx: str, objects: list[Path], out: Path) -> tuple[list[list[str]], list[str]]:
+    """One command per source (run side by side) compiling it to its object, then the link."""
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch.compiled_with_cxx11_abi())
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()],
-            *map(str, SOURCES), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+    compile_flags = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
+    compiles = [[cxx, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objects)]
+    link = [cxx, *FLAGS, *map(str, objects), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
             f"-Wl,-rpath,{torch_lib}"]
+    return compiles, link
+
+
+def _run_all(commands: list[list[str]], cxx: str) -> None:
+    """Runs the commands side by side; raises with the first failure's errors."""
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+    errors = [p.communicate()[1] for p in procs]
+    for proc, err in zip(procs, errors):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{err[-4000:]}")
 
 
 def library_path() -> Path:
@@ -78,16 +90,13 @@ def build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(_compile_command(cxx, Path(tmp)), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=path.parent) as work:
+        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+        tmp = Path(work) / path.name
+        compiles, link = _compile_commands(cxx, objects, tmp)
+        _run_all(compiles, cxx)
+        _run_all([link], cxx)
+        os.replace(tmp, path)  # atomic: a concurrent build's reader sees a whole file or none
     return path
 
 

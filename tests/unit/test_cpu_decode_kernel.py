@@ -25,7 +25,19 @@ def test_kernels_build_where_a_compiler_exists():
     only show as a slower server)."""
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler: the PyTorch fallback runs (tests/unit/test_torch_native_attention.py)")
-    assert ops is not None and hasattr(ops, "decode_attention")
+    assert ops is not None
+    for name in ("decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+        assert hasattr(ops, name), name
+
+
+def test_a_failing_build_raises_with_the_compiler_errors(tmp_path, monkeypatch):
+    """`build` into an empty cache runs the compiler; its failure raises (and `load` then
+    falls back to PyTorch) instead of leaving a partial library behind."""
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    with pytest.raises(RuntimeError, match="false failed"):
+        cpu_kernels.build()
+    assert list(tmp_path.iterdir()) == []
 
 
 def make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype, seed=0):
