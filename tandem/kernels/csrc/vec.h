@@ -17,29 +17,33 @@ typedef int32_t ivec16 __attribute__((vector_size(64)));
 typedef uint32_t uvec16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-// exp(x) for x <= 88 (larger x: use `exp_clamped`): Cephes' expf range reduction and
-// polynomial (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use),
-// written branch-free so that the loop calling it vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// Cephes' expf (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use):
+// e^x = 2^n e^r with n = round(x / ln 2); this is e^r by its polynomial, for a float or a
+// vector of them (V), branch-free so that loops calling it vectorize.
+template <typename V>
+inline V exp_reduced(V x, V n) {
+  V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max); below -87 as at -87 (~1.6e-38).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
-// exp of 16 floats: the same steps as `exp_nonpositive`, on vectors, for inputs from -87
-// (below: exp(-87) ~ 1.6e-38) to 88.72 (above: +inf, as float's exp overflows).
+// exp of 16 floats, for inputs from -87 (below: as at -87) to 88.72 (above: +inf, as
+// float's exp overflows).
 inline vec16 exp16(vec16 x) {
   const vec16 in = x;
   x = x < -87.0f ? vec16{} - 87.0f : x;
@@ -47,20 +51,10 @@ inline vec16 exp16(vec16 x) {
   const vec16 t = x * 1.44269504088896341f + 0.5f;
   ivec16 ni = __builtin_convertvector(t, ivec16);  // toward zero, then down to floor(t)
   ni += __builtin_convertvector(ni, vec16) > t;    // a true comparison is -1
-  const vec16 n = __builtin_convertvector(ni, vec16);
-  vec16 r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const ivec16 bits = (ni + 126) << 23;  // 2^(n-1): n reaches 128 near the top
+  const ivec16 bits = (ni + 126) << 23;            // 2^(n-1): n reaches 128 near the top
   vec16 half_scale;
   std::memcpy(&half_scale, &bits, sizeof(half_scale));
-  const vec16 result = p * half_scale * 2.0f;
+  const vec16 result = exp_reduced(x, __builtin_convertvector(ni, vec16)) * half_scale * 2.0f;
   return in > 88.72f ? vec16{} + __builtin_inff() : result;
 }
 
