@@ -301,13 +301,11 @@ def default_chunked_prefill_size(device: str) -> int:
     chunk costs little throughput and gives a burst of requests their first tokens sooner
     (docs/benchmarks.md: 64 requests at once, median TTFT -15 to -30% at 1024 vs 4096)."""
     mib = _device_memory_mib(device)
-    size = 4096
-    if mib is not None:
-        size = next((size for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)) if mib < limit_gib * 1024),
-                    16384)
+    by_memory = 4096 if mib is None else next(
+        (size for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)) if mib < limit_gib * 1024), 16384)
     if device == "cpu":
-        size = min(size, max(1024, 512 * len(os.sched_getaffinity(0))))
-    return size
+        return min(by_memory, max(1024, 512 * len(os.sched_getaffinity(0))))
+    return by_memory
 
 
 def _device_memory_mib(device: str) -> float | None:
