@@ -129,10 +129,7 @@ struct DecodeTask {
       }
     }
     for (int64_t i = 0; i < queries; ++i)
-      for (int64_t c = 0; c < nc; ++c) {
-        const vec16 o = acc[i * nc + c] * inv[i];
-        for (int l = 0; l < 16; ++l) out[i * head_dim + c * 16 + l] = static_cast<T>(o[l]);
-      }
+      for (int64_t c = 0; c < nc; ++c) store16(out + i * head_dim + c * 16, acc[i * nc + c] * inv[i]);
   }
 };
 
