@@ -1,10 +1,12 @@
-"""`python -m tandem.launch_server --model-path DIR`: start a Tandem server."""
+"""`python -m tandem.launch_server --model-path DIR|FILE.gguf`: start a Tandem server."""
 
 from __future__ import annotations
 
 import argparse
 
 from tandem.entrypoints.http_server import launch_server
+from tandem.entrypoints.subprocesses import StartupError
+from tandem.model_executor.model_loader import check_model
 from tandem.server_args import ServerArgs
 from tandem.utils.process import exit_now
 
@@ -15,9 +17,13 @@ def main(argv: list[str] | None = None) -> None:
     server_args = ServerArgs.from_cli_args(parser.parse_args(argv))
     try:
         server_args.validate()
+        check_model(server_args)
     except ValueError as e:  # one line naming the flag, like argparse's own errors
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    launch_server(server_args)
+    try:
+        launch_server(server_args)
+    except StartupError as e:  # a subprocess failed to start; it has logged its own details
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
     exit_now(0)  # everything has shut down; skip the slow interpreter teardown
 
 

@@ -167,7 +167,17 @@ class ServerArgs:
             raise ValueError("--graceful-shutdown-timeout: must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port: must be in 1..65535")
+        self._resolve_load_format()
         self._validate_parallelism()
+
+    def _resolve_load_format(self) -> None:
+        """A .gguf path (or a directory of GGUF weights) implies --load-format gguf, as in SGLang."""
+        from tandem.model_executor.gguf_loader import is_gguf_path
+
+        if self.load_format == "gguf" and not is_gguf_path(self.model_path):
+            raise ValueError(f"--load-format gguf: --model-path {self.model_path!r} names no .gguf file")
+        if self.load_format in ("auto", "safetensors") and is_gguf_path(self.model_path):
+            self.load_format = "gguf"
 
     def _validate_parallelism(self) -> None:
         if self.load_balance_method not in LOAD_BALANCE_METHODS:

@@ -35,6 +35,7 @@ from tandem.managers.io_struct import (
     UpdateWeightsReq,
 )
 from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.model_executor.model_loader import check_model
 from tandem.server_args import ServerArgs
 from tandem.utils.process import configure_logging
 
@@ -49,6 +50,7 @@ class Engine:
             kwargs.setdefault("log_level", "warning")
             server_args = ServerArgs(model_path=model_path, **kwargs)
         server_args.validate()
+        check_model(server_args)
         if server_args.node_rank > 0:
             raise ValueError("node_rank: the offline Engine runs on node 0 (start other nodes with launch_server)")
         if server_args.tokenizer_worker_num > 1:

@@ -59,6 +59,7 @@ def _loads(state, max_running_requests: int, dp_rank: int) -> dict[str, Any]:
         "max_total_num_tokens": state.max_total_num_tokens,
         "max_running_requests": max_running_requests,
         "token_usage": round(used / state.max_total_num_tokens, 4) if state.max_total_num_tokens else 0.0,
+        "gen_throughput": state.gen_throughput,
         "queues": {"waiting": state.num_waiting_reqs},
     }
 

@@ -101,13 +101,17 @@ class ServerProcesses:
         threading.Thread(target=loop, name="child-watchdog", daemon=True).start()
 
 
+class StartupError(RuntimeError):
+    """A subprocess failed to start (it logged the details itself)."""
+
+
 def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     """Spawn this node's scheduler ranks (`scheduler_TP{k}`, k < --tp-size, or
     `scheduler_DP{d}_TP{k}` for each replica d < --dp-size) and, on node 0, the
     data-parallel controller (--dp-size > 1) and the detokenizer; wait until all report
     ready. The first rank's readiness carries the resolved capacities (node 0).
 
-    Raises RuntimeError (after cleaning up) when one fails to start. First removes the
+    Raises StartupError (after cleaning up) when one fails to start. First removes the
     ipc directories of servers that were killed before they could remove their own.
     """
     remove_stale_ipc_dirs()
@@ -137,16 +141,16 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
             if ready_sock.poll(200):
                 msg: ReadyMessage = zmq_io.loads(ready_sock.recv())
                 if not msg.ok:
-                    raise RuntimeError(f"{msg.process} failed to start: {msg.error}")
+                    raise StartupError(f"{msg.process} failed to start: {msg.error}")
                 waiting.discard(msg.process)
                 if msg.process == ranks[0].name and ranks[0].is_first:
                     handle.scheduler_info = msg.info
                 continue
             dead = [p.name for p in procs if not p.is_alive()]
             if dead:
-                raise RuntimeError(f"{dead[0]} exited during start-up")
+                raise StartupError(f"{dead[0]} exited during start-up")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{sorted(waiting)} not ready after {READY_TIMEOUT_S:.0f} s")
+                raise StartupError(f"{sorted(waiting)} not ready after {READY_TIMEOUT_S:.0f} s")
     except BaseException:
         handle.shutdown()
         raise

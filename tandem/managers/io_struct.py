@@ -235,6 +235,8 @@ class ServerStateOutput(ControlOutput):
     weight_version: str = "default"
     # Requests this scheduler has finished (any reason) since it started.
     num_finished_reqs: int = 0
+    # Output tokens per second over the last few seconds (SGLang's gen_throughput).
+    gen_throughput: float = 0.0
     # --dp-size > 1: each replica's own state, in DP-rank order (the fields above are
     # then their sums; the idle fraction their mean; the weight version replica 0's).
     dp_rank_states: list["ServerStateOutput"] | None = None
@@ -246,7 +248,8 @@ class ServerStateOutput(ControlOutput):
                   for f in dataclasses.fields(cls) if f.type == "int"}
         return dataclasses.replace(
             first, **summed, dp_rank_states=list(replies),
-            forward_idle_fraction=sum(r.forward_idle_fraction for r in replies) / len(replies))
+            forward_idle_fraction=sum(r.forward_idle_fraction for r in replies) / len(replies),
+            gen_throughput=round(sum(r.gen_throughput for r in replies), 2))
 
 
 @dataclass

@@ -67,6 +67,7 @@ from tandem.managers.schedule_batch import ModelWorkerBatch, Req, ScheduleBatch
 from tandem.managers.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from tandem.managers.scheduler_io import SchedulerIOBase, make_scheduler_io
 from tandem.managers.scheduler_output import build_batch_output
+from tandem.managers.throughput import GenThroughput
 from tandem.managers.tp_worker import GenerationBatchResult, HostBatchResult, TpModelWorker
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
@@ -143,6 +144,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.last_batch_was_chunk = False
         self.num_finished_reqs = 0
+        self.gen_throughput = GenThroughput()  # output tokens per second, for /v1/loads
         # Overlap loop: the launched batch whose result is not processed yet.
         self.inflight: LaunchedBatch | None = None
         # A weight update waiting for the running requests to finish; admission is paused
@@ -307,6 +309,7 @@ class Scheduler:
             forward_idle_fraction=self.executor.stats.idle_fraction(),
             weight_version=self.weight_version,
             num_finished_reqs=self.num_finished_reqs,
+            gen_throughput=round(self.gen_throughput.rate(), 2),
         )
 
     def flush_cache(self, request_id: str) -> FlushCacheOutput:
@@ -509,14 +512,18 @@ class Scheduler:
         A request that finished after this batch was launched (overlap) is skipped: its
         extra token is dropped, and its KV was released when it finished."""
         advanced = []
+        generated = 0
         for i, req in enumerate(batch.reqs):
             if req.finished():
                 continue
             advanced.append(req)
+            before = len(req.output_ids)
             try:
                 self._process_result_of(batch, result, i)
             except Exception as e:  # noqa: BLE001 - the second wall
                 self._abort_on_error(req, "processing its output", e)
+            generated += len(req.output_ids) - before
+        self.gen_throughput.add(generated)
         self.running = [r for r in self.running if not r.finished()]
         if self.inflight is not None:  # delayed sampling: its sampler waits for the mask, not for our outputs
             self.fill_vocab_mask(self.inflight)

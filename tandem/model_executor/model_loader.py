@@ -1,8 +1,10 @@
-"""Reads a Hugging Face model directory: config and safetensors weights, tensor by tensor
-(or, with --load-format dummy, fills the weights with seeded random values instead).
+"""Reads a model: a Hugging Face directory (config and safetensors weights, tensor by
+tensor) or GGUF file(s) (`gguf_loader`: config, tokenizer and weights from the metadata
+and blocks), or, with --load-format dummy, fills the weights with seeded random values.
 
-Weights are yielded as safetensors slices, read lazily: each parameter's weight loader
-reads only the rows its tensor-parallel rank owns (`tandem.layers.weight_shard`).
+Weights are yielded as lazy slices (safetensors slices or `GGUFWeight`s): each
+parameter's weight loader reads only the rows its tensor-parallel rank owns
+(`tandem.layers.weight_shard`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from tandem.layers.weight_shard import CheckpointTensor
+from tandem.model_executor.gguf_loader import gguf_model_dir, is_gguf_path, iterate_gguf_weights
 
 
 def load_config(model_path: str):
+    """The model's Hugging Face config; ValueError naming what is wrong with the path."""
+    if is_gguf_path(model_path):
+        return AutoConfig.from_pretrained(gguf_model_dir(model_path, need_tokenizer=False))
+    if not os.path.isdir(model_path):
+        raise ValueError(f"--model-path: {model_path!r} is neither a model directory nor a .gguf file")
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ValueError(f"--model-path: {model_path!r} has no config.json (a Hugging Face model directory is expected)")
     return AutoConfig.from_pretrained(model_path)
@@ -28,7 +36,11 @@ def load_config(model_path: str):
 
 def iterate_weights(model_path: str,
                     show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Yield (name, lazy slice) from every *.safetensors file, with a progress bar over files."""
+    """Yield (name, lazy slice) from every *.safetensors file, with a progress bar over files
+    (over tensors for GGUF)."""
+    if is_gguf_path(model_path):
+        yield from iterate_gguf_weights(model_path, show_progress=show_progress)
+        return
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"--model-path: no *.safetensors files in {model_path!r}")
@@ -36,6 +48,15 @@ def iterate_weights(model_path: str,
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
+
+
+def check_model(server_args) -> None:
+    """Read what the servers will load before starting them, so that a bad model path or
+    file stops the start with one line (ValueError) rather than a subprocess' traceback:
+    the config, and a GGUF file's tokenizer (built once and cached)."""
+    load_config(server_args.model_path)
+    if not server_args.skip_tokenizer_init and is_gguf_path(server_args.tokenizer_path):
+        gguf_model_dir(server_args.tokenizer_path, need_tokenizer=True)
 
 
 # --load-format dummy draws every weight from U(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE), as SGLang does.

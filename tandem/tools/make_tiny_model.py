@@ -2,30 +2,33 @@
 
 Usage::
 
-    python -m tandem.tools.make_tiny_model --arch llama|qwen2 --out DIR \\
-        [--preset tiny|tiny-mqa|7m|100m] [--seed 0]
+    python -m tandem.tools.make_tiny_model --arch llama|qwen2|qwen3 --out DIR \\
+        [--preset tiny|tiny-mqa|gguf|7m|100m] [--seed 0]
 
 or :func:`make_tiny_model` from Python. The directory holds:
 
 * ``config.json``, written by hand in the "old" flat form that vLLM, SGLang and
   transformers all accept (top-level ``rope_theta``, ``torch_dtype``);
 * ``model.safetensors``, fp32, with the usual Hugging Face tensor names
-  (Qwen2 adds q/k/v biases and ties ``lm_head`` to the embedding; Llama has a
-  separate ``lm_head``), so that both the tied and untied cases are exercised;
+  (Qwen2 adds q/k/v biases, Qwen3 per-head RMSNorm weights ``q_norm``/``k_norm``
+  of size ``head_dim`` and no biases; both tie ``lm_head`` to the embedding, as
+  the small released models do; Llama has a separate ``lm_head``), so that both
+  the tied and untied cases are exercised;
 * a BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` +
   ``special_tokens_map.json``, ChatML chat template) trained deterministically
   on the English text embedded below. Each arch gets the style of its real
-  family, so both are exercised:
+  family, so both styles are exercised:
 
   - llama: SentencePiece/Llama-2 layout, ``"▁"`` for spaces, a dummy-prefix
     ``"▁"``, the 256 byte tokens ``<0x00>``..``<0xFF>`` (byte fallback), BOS
     prepended on encode. ``decode(encode(s)) == s`` for any string without a
     literal ``"▁"``. As in Llama-2's (legacy) tokenizer, text right after a
     special token also gets the dummy-prefix ``"▁"``.
-  - qwen2: Qwen2's byte-level BPE (NFC, Qwen2's split regex, the 256
-    byte-level symbols), no BOS. This is the pipeline transformers'
-    ``Qwen2Tokenizer`` rebuilds (``AutoTokenizer`` forces that class for
-    ``model_type`` qwen2), so ``tokenizers`` and ``transformers`` agree;
+  - qwen2, qwen3: Qwen2's byte-level BPE (NFC, Qwen2's split regex, the 256
+    byte-level symbols), no BOS; the same tokenizer for both. This is the
+    pipeline transformers' ``Qwen2Tokenizer`` rebuilds (``AutoTokenizer``
+    forces that class for ``model_type`` qwen2; for qwen3 it reads
+    ``tokenizer.json`` as is), so ``tokenizers`` and ``transformers`` agree;
     ``decode(encode(s)) == NFC(s)``.
 * ``generation_config.json`` with the BOS/EOS ids.
 
@@ -33,13 +36,19 @@ The weights are drawn so that next-token distributions are *peaked* (logits
 spread over several units), which keeps fp32 greedy decoding stable against
 tiny numerical differences between two implementations of the same model.
 
-Special-token ids are the same for both archs: 0 ``<unk>``, 1 ``<s>`` (BOS),
+Special-token ids are the same for every arch: 0 ``<unk>``, 1 ``<s>`` (BOS),
 2 ``</s>`` (EOS), 3 ``<pad>``, 4 ``<|im_start|>``, 5 ``<|im_end|>``; then come the
 256 byte tokens (ids 6..261) and the learned pieces. Vocabulary sizes: 1536
-(llama), 1531 (qwen2, where the corpus runs out of merges); every preset uses
-the same tokenizer. Presets (hidden/intermediate/layers/heads/kv heads):
-tiny 64/172/3/4/2 (~0.3M params), tiny-mqa 64/172/3/4/1, 7m 256/768/8/8/4,
-100m 768/2816/12/12/4.
+(llama), 1531 (qwen2 and qwen3, where the corpus runs out of merges); every
+preset uses the same tokenizer. Presets (hidden/intermediate/layers/heads/kv
+heads, head_dim = hidden/heads): tiny 64/172/3/4/2 (~0.3M params), tiny-mqa
+64/172/3/4/1, gguf 512/768/2/4/2, 7m 256/768/8/8/4, 100m 768/2816/12/12/4.
+
+The ``gguf`` preset (~5M params) is for GGUF files: every dimension of every
+2-D weight is a multiple of 256, so every GGUF block type (32-element blocks
+and 256-element K-quant super-blocks) applies to every matrix, and head_dim is
+128, the head size of the released Qwen3 models and the one transformers'
+GGUF loader assumes for qwen3 (it reads no head size from a qwen3 file).
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
 UNK, BOS, EOS, PAD, IM_START, IM_END = "<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
@@ -96,18 +105,25 @@ PRESETS: dict[str, Preset] = {
     # One KV head (multi-query attention): tensor parallelism must replicate it.
     "tiny-mqa": Preset(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=1),
+    # GGUF files: every 2-D weight dimension a multiple of 256 (K-quant
+    # super-blocks); head_dim 128 as in the released Qwen3 models.
+    "gguf": Preset(hidden_size=512, intermediate_size=768, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2),
     "7m": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=4),
     "100m": Preset(hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
                    num_attention_heads=12, num_key_value_heads=4),
 }
 
-# Per-arch constants of the config (Qwen2 values follow the released Qwen2 models).
+# Per-arch constants of the config (Qwen2/Qwen3 values follow the small released
+# models: Qwen2-0.5B, Qwen3-0.6B tie their embeddings).
 ARCH_SETTINGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=False, qkv_bias=False, add_bos=True),
+                  tie_word_embeddings=False, qkv_bias=False, qk_norm=False, add_bos=True),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
-                  tie_word_embeddings=True, qkv_bias=True, add_bos=False),
+                  tie_word_embeddings=True, qkv_bias=True, qk_norm=False, add_bos=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True, qkv_bias=False, qk_norm=True, add_bos=False),
 }
 
 MAX_POSITION_EMBEDDINGS = 2048
@@ -302,7 +318,7 @@ def build_bytelevel_tokenizer() -> Tokenizer:
 
 
 def build_tokenizer(arch: str) -> Tokenizer:
-    """The tokenizer for ``arch``: SentencePiece-style for llama, byte-level for qwen2."""
+    """The tokenizer for ``arch``: SentencePiece-style for llama, byte-level for qwen2 and qwen3."""
     return build_sentencepiece_tokenizer() if arch == "llama" else build_bytelevel_tokenizer()
 
 
@@ -325,7 +341,7 @@ def _norm(size: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def make_weights(preset: Preset, vocab_size: int, arch: str, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random fp32 weights under Hugging Face Llama/Qwen2 tensor names."""
+    """Seeded random fp32 weights under Hugging Face Llama/Qwen2/Qwen3 tensor names."""
     settings = ARCH_SETTINGS[arch]
     g = _init_generator(seed)
     h, inter, hd = preset.hidden_size, preset.intermediate_size, preset.head_dim
@@ -338,6 +354,9 @@ def make_weights(preset: Preset, vocab_size: int, arch: str, seed: int) -> dict[
             tensors[p + f"self_attn.{name}.weight"] = _linear(out, h, LINEAR_GAIN, g)
             if settings["qkv_bias"]:
                 tensors[p + f"self_attn.{name}.bias"] = _normal((out,), BIAS_STD, g)
+        if settings["qk_norm"]:  # Qwen3: one RMSNorm weight of head_dim, shared by all heads
+            tensors[p + "self_attn.q_norm.weight"] = _norm(hd, g)
+            tensors[p + "self_attn.k_norm.weight"] = _norm(hd, g)
         tensors[p + "self_attn.o_proj.weight"] = _linear(h, q_out, OUT_PROJ_GAIN, g)
         tensors[p + "post_attention_layernorm.weight"] = _norm(h, g)
         tensors[p + "mlp.gate_proj.weight"] = _linear(inter, h, LINEAR_GAIN, g)
@@ -383,6 +402,8 @@ def make_config(preset: Preset, vocab_size: int, arch: str, bos_id: int, eos_id:
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=preset.num_hidden_layers)
+        if arch == "qwen3":
+            config.update(attention_bias=False)
     return config
 
 

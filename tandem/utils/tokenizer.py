@@ -15,7 +15,11 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def load_tokenizer(path: str):
-    return AutoTokenizer.from_pretrained(path)
+    """The tokenizer of a Hugging Face directory, or the one transformers builds from a GGUF
+    file's metadata (with its special tokens and chat template; cached on first use)."""
+    from tandem.model_executor.gguf_loader import gguf_model_dir, is_gguf_path
+
+    return AutoTokenizer.from_pretrained(gguf_model_dir(path) if is_gguf_path(path) else path)
 
 
 def _as_set(value) -> set[int]:
