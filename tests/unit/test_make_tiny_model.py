@@ -27,7 +27,7 @@ from tandem.tools.make_tiny_model import (
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "<|im_start|>": 4, "<|im_end|>": 5}
 PROMPTS = ["Once upon a time", "The weather is", "1 2 3", "Hello, world!"]
 
@@ -90,7 +90,7 @@ def test_directory_contents(model_dirs, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_config_old_form(model_dirs, arch):
     cfg = _read_json(model_dirs[arch] / "config.json")
-    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
     assert cfg["architectures"] == [expected_arch]
     assert cfg["model_type"] == arch
     assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]
@@ -121,6 +121,8 @@ def test_tensor_names_and_dtypes(model_dirs, arch):
         expected |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
         if arch == "qwen2":
             expected |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+        if arch == "qwen3":
+            expected |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
     if arch == "llama":
         expected.add("lm_head.weight")
     assert set(tensors) == expected
@@ -131,6 +133,8 @@ def test_tensor_names_and_dtypes(model_dirs, arch):
     assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (h, cfg["intermediate_size"])
     norm = tensors["model.norm.weight"]
     assert (norm - 1).abs().max() < 0.6 and norm.std() > 0.01
+    if arch == "qwen3":
+        assert tensors["model.layers.0.self_attn.k_norm.weight"].shape == (cfg["head_dim"],)
 
 
 def test_weights_are_seeded():
@@ -148,7 +152,8 @@ def test_whole_directory_is_deterministic(model_dirs, tmp_path):
         assert (again / name).read_bytes() == (model_dirs["llama"] / name).read_bytes(), name
 
 
-@pytest.mark.parametrize(("preset", "low", "high"), [("tiny", 0.1e6, 1e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6)])
+@pytest.mark.parametrize(("preset", "low", "high"),
+                         [("tiny", 0.1e6, 1e6), ("gguf", 3e6, 7e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preset_sizes(preset, low, high, arch):
     config_dict = make_config(PRESETS[preset], 1536, arch, bos_id=1, eos_id=2)
@@ -157,6 +162,16 @@ def test_preset_sizes(preset, low, high, arch):
         model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
     assert low < n_params < high
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_preset_fits_every_block_type(arch):
+    """Every dimension of every 2-D weight is a multiple of 256 (a K-quant super-block)."""
+    tensors = make_weights(PRESETS["gguf"], 1536, arch, seed=0)
+    matrices = [t for t in tensors.values() if t.dim() == 2]
+    assert len(matrices) >= 7 * PRESETS["gguf"].num_hidden_layers + 1
+    assert all(d % 256 == 0 for t in matrices for d in t.shape)
+    assert PRESETS["gguf"].head_dim == 128
 
 
 def test_cli(tmp_path):
@@ -190,11 +205,17 @@ def test_special_token_ids(model_dirs, hf_tokenizers, arch):
     assert not isinstance(tok_cfg.get("extra_special_tokens", {}), list)
 
 
-def test_llama_adds_bos_qwen2_does_not(hf_tokenizers):
+def test_llama_adds_bos_qwen_does_not(hf_tokenizers):
     assert hf_tokenizers["llama"]("hi").input_ids[0] == 1
-    assert 1 not in hf_tokenizers["qwen2"]("hi").input_ids
     assert hf_tokenizers["llama"]("").input_ids == [1]
-    assert hf_tokenizers["qwen2"]("").input_ids == []
+    for arch in ("qwen2", "qwen3"):
+        assert 1 not in hf_tokenizers[arch]("hi").input_ids
+        assert hf_tokenizers[arch]("").input_ids == []
+
+
+def test_qwen3_shares_qwen2_tokenizer(model_dirs):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (model_dirs["qwen3"] / name).read_bytes() == (model_dirs["qwen2"] / name).read_bytes(), name
 
 
 def test_llama_vocab_has_byte_tokens(raw_tokenizers):
@@ -232,7 +253,7 @@ FIXED_STRINGS = [
 def test_round_trip_fixed(hf_tokenizers, arch, text):
     tok = hf_tokenizers[arch]
     ids = tok(text).input_ids
-    expected = unicodedata.normalize("NFC", text) if arch == "qwen2" else text  # Qwen2 normalizes to NFC
+    expected = unicodedata.normalize("NFC", text) if arch != "llama" else text  # Qwen2/3 normalize to NFC
     assert tok.decode(ids, skip_special_tokens=True) == expected
     assert 0 not in ids  # never <unk>
 
@@ -273,7 +294,7 @@ def test_hf_loads_without_missing_or_unexpected_weights(model_dirs, arch):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert model.dtype == torch.float32
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert tied == (arch == "qwen2")
+    assert tied == (arch != "llama")
     raw = load_file(str(model_dirs[arch] / "model.safetensors"))
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, raw["model.layers.1.mlp.up_proj.weight"])
 

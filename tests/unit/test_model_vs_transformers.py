@@ -1,7 +1,9 @@
 """The model runner's logits and greedy tokens on CPU against transformers' on the same
 weights, in float32 (greedy equal, logits within 1e-4 of their largest) and bfloat16
 (first-step logits within 5e-2 of their largest, first token equal), for Llama, Qwen2
-and Qwen3 (per-head q/k norms); a batch of ragged prompts through prefill and decode."""
+and Qwen3 (per-head q/k norms: a transformers-initialised one whose head_dim is not
+hidden/heads, and make_tiny_model's, tied and peaked); a batch of ragged prompts through
+prefill and decode."""
 
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ def tiny_qwen3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_mtm_dir(tmp_path_factory):
+    """make_tiny_model's Qwen3: tied embeddings, peaked logits, q/k norms of head_dim."""
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-mtm", arch="qwen3")
+
+
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
@@ -41,7 +51,8 @@ def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("model_fixture",
+                         ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mtm_dir"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_and_greedy_match_transformers(model_fixture, dtype, request):
     model_dir = request.getfixturevalue(model_fixture)
