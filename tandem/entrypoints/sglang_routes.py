@@ -29,7 +29,9 @@ _PROFILE_FIELDS = ("output_dir", "num_steps", "activities", "with_stack", "recor
 
 
 def model_info(server_args, hf_config) -> dict[str, Any]:
-    """SGLang's /model_info keys; the features Tandem lacks report their 'off' value."""
+    """SGLang's /model_info keys (the features Tandem lacks report their 'off' value), and
+    for a GGUF model its file(s) and tensor types."""
+    gguf = getattr(hf_config, "gguf", None)
     return {
         "model_path": server_args.model_path,
         "served_model_name": server_args.served_model_name,
@@ -45,6 +47,7 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
         "has_audio_understanding": False,
         "model_type": getattr(hf_config, "model_type", None),
         "architectures": getattr(hf_config, "architectures", None),
+        **({"gguf": gguf} if gguf else {}),
     }
 
 

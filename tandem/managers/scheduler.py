@@ -112,6 +112,7 @@ class Scheduler:
         self.vocab_size = runner.vocab_size
         self.max_running_requests = runner.max_running_requests
         self.max_total_num_tokens = runner.max_total_num_tokens
+        self.gguf = getattr(runner.config, "gguf", None)  # the GGUF file(s) and tensor types, if any
         self.context_len = runner.context_len
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
         self.finish_checker = FinishChecker(
@@ -170,6 +171,7 @@ class Scheduler:
             "context_length": self.context_len,
             "vocab_size": self.vocab_size,
             "eos_token_ids": sorted(self.finish_checker.eos_token_ids),
+            **({"gguf": self.gguf} if self.gguf else {}),
         }
 
     # ---- the loops -----------------------------------------------------------------

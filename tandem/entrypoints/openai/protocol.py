@@ -385,6 +385,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     root: str | None = None
     max_model_len: int | None = None
+    gguf: dict | None = None  # a GGUF model's file(s) and tensor types
 
 
 class ModelList(BaseModel):

@@ -26,6 +26,9 @@ from tandem.entrypoints.openai import serving_models
 
 # Routes reachable without the API key (load balancers and monitoring).
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+# GET routes reachable without it: the chat page (entrypoints/chat_page.py), which holds
+# no secret; its API calls send the key.
+OPEN_GET_PATHS = frozenset({"/"})
 
 
 def load_chat_template(path: str | None) -> str | None:
@@ -63,11 +66,13 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response(serving_models.list_models(server_args, tm.context_len).model_dump())
+        cards = serving_models.list_models(server_args, tm.context_len, tm.scheduler_info.get("gguf"))
+        return json_response(cards.model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        return json_response(serving_models.retrieve_model(model_id, server_args, tm.context_len).model_dump())
+        card = serving_models.retrieve_model(model_id, server_args, tm.context_len, tm.scheduler_info.get("gguf"))
+        return json_response(card.model_dump())
 
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
@@ -82,14 +87,15 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
 
 def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:
     """With `api_key`, require `Authorization: Bearer <api_key>` on every route but OPEN_PATHS
-    (the scheme is case-insensitive, as HTTP says)."""
+    and GET of OPEN_GET_PATHS (the scheme is case-insensitive, as HTTP says)."""
     if not api_key:
         return
     expected = api_key.encode()
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or request.method == "OPTIONS":
+        path = request.url.path
+        if path in OPEN_PATHS or request.method == "OPTIONS" or (request.method == "GET" and path in OPEN_GET_PATHS):
             return await call_next(request)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):

@@ -9,19 +9,20 @@ from tandem.entrypoints.openai.protocol import DetokenizeRequest, ModelCard, Mod
 from tandem.managers.text_encoder import TextEncoder
 
 
-def model_card(server_args, context_len: int | None) -> ModelCard:
-    return ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=context_len)
+def model_card(server_args, context_len: int | None, gguf: dict | None = None) -> ModelCard:
+    return ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=context_len,
+                     gguf=gguf)
 
 
-def list_models(server_args, context_len: int | None) -> ModelList:
-    return ModelList(data=[model_card(server_args, context_len)])
+def list_models(server_args, context_len: int | None, gguf: dict | None = None) -> ModelList:
+    return ModelList(data=[model_card(server_args, context_len, gguf)])
 
 
-def retrieve_model(model_id: str, server_args, context_len: int | None) -> ModelCard:
+def retrieve_model(model_id: str, server_args, context_len: int | None, gguf: dict | None = None) -> ModelCard:
     """The served model's card; 404 `model_not_found` for any other id."""
     if model_id not in served_model_names(server_args):
         raise OpenAIError(f"model: the model {model_id!r} does not exist", 404, param="model")
-    return model_card(server_args, context_len)
+    return model_card(server_args, context_len, gguf)
 
 
 def _require_tokenizer(encoder: TextEncoder | None, param: str) -> None:
