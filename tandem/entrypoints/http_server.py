@@ -3,7 +3,7 @@
 Routes: POST /generate (SGLang's native API), GET /health, GET /health_generate,
 POST /abort_request, SGLang's information and control routes (entrypoints/sglang_routes:
 /model_info, /server_info, /flush_cache, /ping, /v1/loads, /start_profile, /stop_profile),
-GET /metrics (with --enable-metrics)
+GET /metrics (with --enable-metrics), GET / (a chat page: entrypoints/chat_page)
 and the OpenAI-compatible routes under /v1 (entrypoints/openai). Client mistakes get HTTP 400 with
 {"error": {"message": ...}} naming the field; the server keeps serving.
 """
@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.entrypoints.chat_page import add_chat_page
 from tandem.entrypoints.json_body import JSONBodyRoute, parse_json_body
 from tandem.entrypoints.limits import BodySizeLimit
 from tandem.entrypoints.openai.common import sse
@@ -179,6 +180,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
     add_sglang_routes(app, tm, server_args)
     add_weight_routes(app, tm)
     add_openai_routes(app, tm, server_args)
+    add_chat_page(app)
     app.add_middleware(BodySizeLimit, max_bytes=server_args.max_request_body_bytes, error=error_for_path)
     add_api_key_middleware(app, server_args.api_key)
     app.add_middleware(DrainGate, tm=tm, refusal=lambda: error_response(DRAINING_MESSAGE, 503))
