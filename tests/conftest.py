@@ -63,3 +63,12 @@ def stories_dir(tmp_path_factory) -> Path:
 
     src = stories260k_dir()  # the copy shipped in assets/stories260K
     return convert_llama2c(src / "stories260K.bin", src / "tok512.bin", tmp_path_factory.mktemp("models") / "stories260K")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf_dir(tmp_path_factory) -> Path:
+    """make_tiny_model's llama with every matrix dimension a multiple of 256, so that every
+    GGUF block type applies to every weight (tests write GGUF files from it)."""
+    from tandem.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-gguf", arch="llama", preset="gguf")
