@@ -1,7 +1,8 @@
 """Rotary position embedding (the "rotate halves" layout of Hugging Face Llama/Qwen).
 
 Supports the `rope_scaling` kinds found in Llama-family configs: none/default, linear,
-dynamic (NTK, evaluated at the cache length), and llama3.
+dynamic (NTK, evaluated at the cache length), and llama3; and per-frequency divisors
+(`freq_factors`, how GGUF files store Llama 3.x scaling: llama.cpp's `rope_freqs`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None, dtype: torch.dtype | None = None):
+                 rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
+                 freq_factors: list[float] | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
@@ -60,6 +62,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif kind not in ("default", None):
             raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        if freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
         freqs = torch.outer(positions, inv_freq)
         cos, sin = freqs.cos().float(), freqs.sin().float()  # float32 first, as HF computes them
         table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)

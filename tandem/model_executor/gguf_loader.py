@@ -80,7 +80,8 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors a converter writes that the model does not take as weights.
+# Tensors a converter writes that the model does not take as weights (rope_freqs: the
+# rotary frequency divisors of Llama 3.x scaling, read into the config instead).
 SKIPPED_TENSORS = {"rope_freqs.weight"}
 
 
@@ -199,6 +200,9 @@ class GGUFMetadata:
         scaling = self.rope_scaling()
         if scaling:
             config["rope_scaling"] = scaling
+        factors = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
+        if factors is not None:  # Llama 3.x scaling, as llama.cpp's converter stores it
+            config["rope_freq_factors"] = [float(f) for f in gguf.quants.dequantize(factors.data, factors.tensor_type)]
         for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
             value = field_value(self.reader, f"tokenizer.ggml.{key}")
             if value is not None:
@@ -208,9 +212,6 @@ class GGUFMetadata:
     def rope_scaling(self) -> dict | None:
         kind = self.arch_value("rope.scaling.type")
         if kind in (None, "none"):
-            if "rope_freqs.weight" in {t.name for t in self.tensors}:
-                raise ValueError("--model-path: the GGUF file's rotary frequency factors (rope_freqs.weight, "
-                                 "Llama 3.1-style scaling) are not supported yet")
             return None
         scaling = {"rope_type": kind, "factor": float(self.arch_value("rope.scaling.factor", 1.0))}
         original = self.arch_value("rope.scaling.original_context_length")

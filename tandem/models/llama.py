@@ -60,7 +60,8 @@ def make_rotary_embedding(config) -> RotaryEmbedding:
     SGLang's `get_rope` cache shares one), looked up once per forward."""
     theta, scaling = rope_settings(config)
     head_dim = head_dim_of(config)
-    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling)
+    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling,
+                           freq_factors=getattr(config, "rope_freq_factors", None))
 
 
 class LlamaAttention(nn.Module):
