@@ -1,0 +1,96 @@
+"""Tandem's GGUF loader against transformers' own GGUF loader on the same tiny files
+(written here with the `gguf` package's writer from make_tiny_model's models, one per
+tensor type): float32 greedy tokens equal, logits within 1e-4 of their largest; the
+config, tokenizer and chat template built from the metadata; split sets and
+`--tokenizer-path`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gguf_writer import write_gguf
+from runner_steps import greedy_steps, make_runner
+from tandem.model_executor.model_loader import check_model, load_config
+from tandem.server_args import ServerArgs
+from tandem.tools.make_tiny_model import make_tiny_model
+from tandem.utils.tokenizer import load_tokenizer
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70))]
+STEPS = 6
+ALL_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Every type on llama (whose Q/K rows llama.cpp permutes); a few on qwen2 (q/k/v biases)
+# and qwen3 (q/k norms, tied head).
+CASES = ([("llama", t) for t in ALL_TYPES] + [("qwen2", t) for t in ("F32", "Q4_K", "Q5_0")]
+         + [("qwen3", t) for t in ("F32", "Q6_K", "Q4_1")])
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch=arch, preset="gguf") for arch in ("llama", "qwen2", "qwen3")}
+
+
+def hf_from_gguf(path):
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # greedy_steps does not stop at EOS either
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+
+
+def assert_matches_transformers(gguf_path, reference_path=None):
+    runner = make_runner(gguf_path, dtype="float32")
+    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
+    model = hf_from_gguf(reference_path or gguf_path)
+    for i, prompt in enumerate(PROMPTS):
+        ref_ids, ref_logits = hf_greedy(model, prompt)
+        assert ids[i] == ref_ids, f"prompt {i}"
+        for step, ref in enumerate(ref_logits):
+            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("arch,qtype", CASES)
+def test_greedy_and_logits_equal_transformers_gguf_loader(model_dirs, tmp_path, arch, qtype):
+    assert_matches_transformers(write_gguf(model_dirs[arch], tmp_path / f"{arch}-{qtype}.gguf", qtype))
+
+
+def test_split_set_loads_like_one_file(model_dirs, tmp_path):
+    first = write_gguf(model_dirs["llama"], tmp_path / "split.gguf", "Q4_K", split=3)
+    one = write_gguf(model_dirs["llama"], tmp_path / "one" / "one.gguf", "Q4_K")
+    assert_matches_transformers(first, reference_path=one)
+    assert load_config(str(first)).gguf["files"] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_config_and_tokenizer_from_metadata(model_dirs, tmp_path, arch):
+    path = write_gguf(model_dirs[arch], tmp_path / "m.gguf", "Q8_0")
+    config, hf_config = load_config(str(path)), load_config(str(model_dirs[arch]))
+    for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(config, key) == getattr(hf_config, key), key
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-6)  # GGUF holds a float32
+    assert config.gguf == {"files": ["m.gguf"], "tensor_types": config.gguf["tensor_types"]}
+    assert set(config.gguf["tensor_types"]) == {"Q8_0", "F32"}
+    ours = load_tokenizer(str(path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    messages = [{"role": "user", "content": "Once upon a time, the baker said: \"two on Sundays!\""}]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
+    text = "Every morning he woke up at 4:30 and baked 12 loaves."
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.eos_token_id == theirs.eos_token_id == hf_config.eos_token_id
+
+
+def test_tokenizer_path_stands_in_for_missing_metadata(model_dirs, tmp_path):
+    path = write_gguf(model_dirs["qwen2"], tmp_path / "notok.gguf", "F16", tokenizer=False)
+    with pytest.raises(ValueError, match="no tokenizer metadata"):
+        check_model(ServerArgs(model_path=str(path)))
+    check_model(ServerArgs(model_path=str(path), tokenizer_path=str(model_dirs["qwen2"])))
+    check_model(ServerArgs(model_path=str(path), skip_tokenizer_init=True))
