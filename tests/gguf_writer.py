@@ -40,6 +40,7 @@ byte layout (the inverse of ``gguf.quants.dequantize``), every scale finite.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -81,6 +82,30 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
             .reshape(weights.shape))
 
 
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` for a config with Llama 3 RoPE scaling (None otherwise):
+    each rotary frequency's divisor, 1 for short wavelengths, `factor` for long ones and
+    smoothly between (convert_hf_to_gguf's LlamaModel.generate_extra_tensors)."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def gguf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """The float32 tensors llama.cpp writes for ``model_dir``, by GGUF name, in file order
     (before any quantization): renamed, Q/K permuted for llama, tied ``lm_head`` absent."""
@@ -99,6 +124,9 @@ def gguf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
         return {"model.embed_tokens.weight": (0, 0), "model.norm.weight": (2, 0)}.get(hf_name, (3, 0))
 
     out: dict[str, np.ndarray] = {}
+    factors = llama3_rope_factors(config)
+    if factors is not None:  # LlamaModel.generate_extra_tensors writes them first
+        out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = factors
     for hf_name in sorted(hf, key=key):  # stable: the safetensors order within a block
         data = hf[hf_name].astype(np.float32)
         if model_type == "llama":

@@ -6,6 +6,8 @@ config, tokenizer and chat template built from the metadata; split sets and
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,6 +62,26 @@ def assert_matches_transformers(gguf_path, reference_path=None):
 @pytest.mark.parametrize("arch,qtype", CASES)
 def test_greedy_and_logits_equal_transformers_gguf_loader(model_dirs, tmp_path, arch, qtype):
     assert_matches_transformers(write_gguf(model_dirs[arch], tmp_path / f"{arch}-{qtype}.gguf", qtype))
+
+
+def test_llama3_rope_frequency_factors_apply(tmp_path):
+    """llama.cpp stores Llama 3 RoPE scaling as `rope_freqs.weight` (which transformers'
+    GGUF loader ignores): Tandem on the GGUF equals transformers on the directory."""
+    model_dir = make_tiny_model(tmp_path / "llama3", arch="llama", preset="gguf")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
+    assert len(load_config(str(path)).rope_freq_factors) == 64
+    runner = make_runner(path, dtype="float32")
+    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    for i, prompt in enumerate(PROMPTS):
+        ref_ids, ref_logits = hf_greedy(model, prompt)
+        assert ids[i] == ref_ids, f"prompt {i}"
+        torch.testing.assert_close(logits[0][i], ref_logits[0], atol=1e-4 * ref_logits[0].abs().max().item(), rtol=0)
 
 
 def test_split_set_loads_like_one_file(model_dirs, tmp_path):
