@@ -55,6 +55,17 @@ test: install default-model
 clean:
 	rm -rf $(VENV) models .pytest_cache
 
+# The chat page's test (tests/server/test_chat_page.py) drives Debian's chromium headless through
+# Playwright (no browser download); `make test` installs chromium when it is missing (as root, with
+# apt-get; elsewhere it says so and that test skips).
+.PHONY: browser
+test: browser
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	else echo "no /usr/bin/chromium: the chat page's browser test will skip (apt-get install chromium)"; fi
+
 # Side-by-side comparison with vLLM, SGLang (when ../shared/peers/setup.sh installed them) and HF
 # transformers, each model in float32 and bfloat16, workloads a-e (16 and 64 concurrent, single
 # stream, Poisson rate, shared prefix); writes docs/benchmarks.md and docs/benchmarks.png.
