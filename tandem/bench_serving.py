@@ -189,7 +189,7 @@ async def resolve_tokenizer(client: httpx.AsyncClient, args: argparse.Namespace,
                 candidates += [m.get("root"), m.get("id")]
             candidates.append(model)
     for path in candidates:
-        if path and os.path.isdir(path):
+        if path and (os.path.isdir(path) or path.endswith(".gguf") and os.path.isfile(path)):
             return path
     if args.tokenizer:
         raise SystemExit(f"--tokenizer: {args.tokenizer} is not a directory")
