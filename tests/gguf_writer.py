@@ -141,6 +141,24 @@ def gguf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def as_mixture_of_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:
+    """Mixtral's tensors as llama.cpp's converter writes them (its ``LlamaModel`` path: the
+    file says ``general.architecture`` "llama"): per block the router ``ffn_gate_inp``
+    [experts, hidden] and each MLP matrix stacked over the experts,
+    ``ffn_{gate,up,down}_exps`` [experts, out, in] (here copies of the dense matrix), in
+    place of ``ffn_{gate,up,down}``."""
+    out: dict[str, np.ndarray] = {}
+    for name, data in tensors.items():
+        base = name.rpartition(".")[0]
+        if base.rpartition(".")[2] not in ("ffn_gate", "ffn_up", "ffn_down"):
+            out[name] = data
+            continue
+        if base.endswith("ffn_gate"):
+            out[f"{base}_inp.weight"] = np.zeros((experts, data.shape[1]), dtype=np.float32)
+        out[f"{base}_exps.weight"] = np.ascontiguousarray(np.stack([data] * experts))
+    return out
+
+
 # ----------------------------------------------------------------------------- quantizers
 
 
@@ -403,6 +421,8 @@ def write_gguf(
     architecture: str | None = None,
     split: int | None = None,
     unsupported: Mapping[str, str] | None = None,
+    alignment: int | None = None,
+    experts: int | None = None,
 ) -> Path:
     """Write ``model_dir`` (a make_tiny_model directory) as GGUF; return the file's path.
 
@@ -416,6 +436,9 @@ def write_gguf(
     order spread evenly, and returns the first file's path. ``unsupported`` maps GGUF tensor
     names (2-D weights) to another ggml type name to write them in (e.g.
     ``{"blk.0.ffn_up.weight": "IQ4_NL"}``): any type gguf-py can quantize, or IQ4_NL.
+    ``alignment``: a ``general.alignment`` other than the default 32 (tensor data aligned to it).
+    ``experts=N``: a Mixtral-style mixture-of-experts file of N experts
+    (:func:`as_mixture_of_experts`; ``{arch}.expert_count``, ``expert_used_count``).
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     if tensor_type not in SUPPORTED_TYPES:
@@ -426,6 +449,8 @@ def write_gguf(
         raise ValueError(f"unknown model_type {model_type!r}")
     arch_name = architecture or gguf.MODEL_ARCH_NAMES[MODEL_ARCHS[model_type]]
     tensors = gguf_tensors(model_dir)
+    if experts:
+        tensors = as_mixture_of_experts(tensors, experts)
     unsupported = dict(unsupported or {})
     if missing := set(unsupported) - {n for n, t in tensors.items() if t.ndim == 2}:
         raise ValueError(f"unsupported= names no 2-D weight: {sorted(missing)}")
@@ -455,6 +480,11 @@ def write_gguf(
     if tokenizer:
         _write_tokenizer(writer, model_dir, model_type, config["vocab_size"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(min(2, experts))
 
     names = list(tensors)
     starts = set()
@@ -465,8 +495,8 @@ def write_gguf(
         data = tensors[name]
         if i in starts:
             writer.tensors.append({})  # the next shard, as GGUFWriter's own split_max_* do
-        if data.ndim <= 1 or name.endswith("_norm.weight"):
-            type_name = "F32"  # llama.cpp keeps 1-D tensors and norms in F32
+        if data.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight")):
+            type_name = "F32"  # llama.cpp keeps 1-D tensors, norms and MoE routers in F32
         else:
             type_name = unsupported.get(name, tensor_type)
         writer.add_tensor(name, quantize(data, type_name), raw_dtype=QT[type_name])

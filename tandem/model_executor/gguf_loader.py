@@ -154,12 +154,19 @@ class GGUFMetadata:
             raise ValueError(f"--model-path: GGUF architecture {self.arch!r} is not supported "
                              f"(supported: {', '.join(sorted(FAMILIES))})")
         self.family = FAMILIES[self.arch]
+        experts = self.arch_value("expert_count") or 0
+        if experts:  # Mixtral's files say "llama" too
+            raise ValueError(f"--model-path: the GGUF file is a mixture-of-experts model ({self.arch}.expert_count "
+                             f"{experts}), which Tandem cannot load")
         self.tensors = [t for r in self.readers for t in r.tensors]
         for t in self.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ValueError(f"--model-path: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
                                  "which Tandem cannot load (supported: "
                                  f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+            # Here, not at load: a file that cannot load stops the start in one line.
+            if t.name not in SKIPPED_TENSORS and hf_name(t.name) is None:
+                raise ValueError(f"--model-path: unexpected tensor {t.name!r} in the GGUF file")
 
     def arch_value(self, key: str, default=None):
         return field_value(self.reader, f"{self.arch}.{key}", default)
@@ -175,8 +182,8 @@ class GGUFMetadata:
         """A Hugging Face config.json for the model, from the metadata."""
         heads = int(self.arch_value("attention.head_count"))
         hidden = int(self.arch_value("embedding_length"))
-        names = {t.name for t in self.tensors}
         embed = next(t for t in self.tensors if t.name == "token_embd.weight")
+        output = next((t for t in self.tensors if t.name == "output.weight"), None)
         vocab = self.arch_value("vocab_size") or int(embed.shape[-1])
         config = {
             "architectures": [self.family.architecture],
@@ -191,7 +198,10 @@ class GGUFMetadata:
             "rms_norm_eps": float(self.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self.arch_value("rope.freq_base", 10000.0)),
             "vocab_size": int(vocab),
-            "tie_word_embeddings": "output.weight" not in names,
+            # Tied without a head, or with one that copies the embedding (some Qwen2 files
+            # carry it): one matrix, as in the model's Hugging Face config.
+            "tie_word_embeddings": output is None or (output.tensor_type == embed.tensor_type
+                                                      and np.array_equal(output.data, embed.data)),
             # Served in bfloat16 where the CPU has it unless every weight is float32
             # (model_runner.resolve_dtype, as for a half-precision checkpoint).
             "torch_dtype": "float32" if set(self.tensor_types()) == {"F32"} else "bfloat16",
@@ -227,7 +237,7 @@ def _cache_root() -> str:
 def _cache_key(path: str) -> str:
     first = os.path.realpath(find_gguf_files(path)[0])
     stat = os.stat(first)
-    return hashlib.sha256(f"{first}\0{stat.st_size}\0{stat.st_mtime_ns}\0v1".encode()).hexdigest()[:24]
+    return hashlib.sha256(f"{first}\0{stat.st_size}\0{stat.st_mtime_ns}\0v2".encode()).hexdigest()[:24]
 
 
 def gguf_model_dir(path: str, need_tokenizer: bool = True) -> str:
@@ -285,13 +295,21 @@ class GGUFWeight:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        values = np.ascontiguousarray(gguf.quants.dequantize(self.blocks, self.qtype), dtype=np.float32)
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The tensor (or, for a matrix, `rows` of it) in float32."""
+        blocks = self.blocks if rows == slice(None) else self.blocks[rows]
+        values = np.ascontiguousarray(gguf.quants.dequantize(blocks, self.qtype), dtype=np.float32)
         if not values.flags.writeable:  # F32 tensors come straight from the file's memory map
             values = values.copy()
-        return torch.from_numpy(values).reshape(self.shape)
+        return torch.from_numpy(values).reshape(-1, *self.shape[1:])
 
     def __getitem__(self, index) -> torch.Tensor:
+        """A row slice of a matrix dequantizes only those rows (a tensor-parallel rank's
+        shard of the embedding, the head, a column-split layer), as a safetensors slice
+        reads only its rows; anything else dequantizes the whole tensor first."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(self.shape) >= 2 and index and isinstance(index[0], slice) and len(self.blocks) == self.shape[0]:
+            return self.dequantize(index[0])[(slice(None),) + index[1:]]
         return self.dequantize()[index]
 
 
@@ -314,8 +332,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def iterate_gguf_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, GGUFWeight]]:
-    """(Hugging Face name, GGUFWeight) for every weight tensor, with a progress bar;
-    ValueError for a tensor that has no Hugging Face counterpart."""
+    """(Hugging Face name, GGUFWeight) for every weight tensor, with a progress bar
+    (`GGUFMetadata` refused the files with a tensor that has no Hugging Face counterpart)."""
     meta = GGUFMetadata(path)
     heads = int(meta.arch_value("attention.head_count"))
     kv_heads = int(meta.arch_value("attention.head_count_kv", heads))
@@ -323,8 +341,6 @@ def iterate_gguf_weights(path: str, show_progress: bool = True) -> Iterator[tupl
         if t.name in SKIPPED_TENSORS:
             continue
         name = hf_name(t.name)
-        if name is None:
-            raise ValueError(f"--model-path: unexpected tensor {t.name!r} in the GGUF file")
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
         blocks = t.data
         if meta.family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):

@@ -28,7 +28,8 @@ def load_config(model_path: str):
     if is_gguf_path(model_path):
         return AutoConfig.from_pretrained(gguf_model_dir(model_path, need_tokenizer=False))
     if not os.path.isdir(model_path):
-        raise ValueError(f"--model-path: {model_path!r} is neither a model directory nor a .gguf file")
+        raise ValueError(f"--model-path: {model_path!r} is neither a model directory (with a config.json) "
+                         "nor a .gguf file")
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ValueError(f"--model-path: {model_path!r} has no config.json (a Hugging Face model directory is expected)")
     return AutoConfig.from_pretrained(model_path)
