@@ -1,5 +1,7 @@
 """The offline Engine: sync, async and streaming; same outputs as the HTTP server; no
-process outlives shutdown() or an interpreter that exits without calling it."""
+process outlives shutdown() or an interpreter that exits without calling it; a GGUF file
+serves as its directory does, and a bad one stops the Engine with one line before any
+subprocess starts."""
 
 from __future__ import annotations
 
@@ -182,3 +184,31 @@ def test_update_weights_from_tensor(engine, tiny_llama_dir, tiny_llama_b_dir):
     assert torch.allclose(torch.tensor(engine.get_weights_by_name(last, 2)), b[last][:2])
     assert engine.update_weights_from_tensor([(last, a[last])])[0]
     assert engine.generate(input_ids=prompt, sampling_params=params)["output_ids"] == a_ids
+
+
+def test_gguf_engine_and_bad_gguf_paths(engine, tiny_llama_dir, tmp_path):
+    """The tiny llama as an F32 GGUF file (its weights exactly; config and tokenizer from
+    the metadata) answers as the directory's engine does."""
+    import psutil
+
+    from gguf_writer import write_gguf
+    from tandem import Engine
+
+    path = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "F32")
+    want = engine.generate(PROMPTS, PARAMS)
+    with Engine(model_path=str(path)) as gguf_engine:
+        got = gguf_engine.generate(PROMPTS, PARAMS)
+        assert gguf_engine.get_server_info()["load_format"] == "gguf"
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(512))
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:4096])
+    for bad, words in (("bad.gguf", "not a GGUF file"), ("cut.gguf", "truncated"), ("missing.gguf", "no such GGUF")):
+        with pytest.raises(ValueError) as info:
+            Engine(model_path=str(tmp_path / bad))
+        message = str(info.value)
+        assert message.startswith("--model-path: ") and words in message and bad in message, message
+        assert "\n" not in message, message
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == children  # none was started

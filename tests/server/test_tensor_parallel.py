@@ -5,20 +5,29 @@ Greedy tokens and logprobs equal --tp-size 1's (the session server) on the tiny 
 whose KV head both ranks hold, equals transformers; seeded sampling equals --tp-size 1's
 with the same seeds, through chunked prefill (8-token chunks) and radix-cache hits; each
 rank is its own named process, and killing one takes the whole server down at once,
-leaving nothing behind."""
+leaving nothing behind. GGUF files (llama Q4_K, whose Q/K rows llama.cpp permutes, and
+qwen2 Q8_0) give --tp-size 1's greedy tokens and logprobs (fp32), also with
+--dp-size 2 --tokenizer-worker-num 2 around the TP groups."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
 import pytest
+import torch
 
 import hf_reference
+from gguf_writer import write_gguf
+from runner_steps import greedy_steps, make_runner
 from server_launcher import ServerHandle
+from tandem.model_executor.gguf_loader import iterate_gguf_weights
+from tandem.tools.make_tiny_model import make_tiny_model
+from tandem.utils.tokenizer import load_tokenizer
 
 PROMPTS = [
     "Hello",
@@ -118,3 +127,42 @@ def test_one_process_per_rank_and_a_dead_rank_takes_the_server_down(tp2_server):
     # The main process saw it die, or rank 0 failed in a collective first and reported it.
     log = tp2_server.log_tail(100)
     assert "scheduler_TP1 died; shutting the server down" in log or "scheduler_TP1 exited)" in log, log
+
+
+GGUF_NEW_TOKENS = 8
+
+
+@pytest.mark.parametrize("arch,qtype,extra", [
+    ("llama", "Q4_K", ["--tp-size", "2", "--dp-size", "2", "--tokenizer-worker-num", "2"]),
+    ("qwen2", "Q8_0", ["--tp-size", "2"]),
+], ids=["llama-Q4_K-tp2-dp2-workers2", "qwen2-Q8_0-tp2"])
+def test_gguf_greedy_equals_tp1(tiny_llama_gguf_dir, tmp_path, arch, qtype, extra):
+    """The ranks un-permute llama's Q/K rows of the whole tensor before taking their
+    heads' rows (tests/unit/test_gguf_loader.py checks each rank's shard); the reference
+    is --tp-size 1 on the same file, in this process. Requests go concurrently over fresh
+    connections, so both tokenizer workers and both DP replicas serve some."""
+    model_dir = tiny_llama_gguf_dir if arch == "llama" else make_tiny_model(tmp_path / arch, arch=arch, preset="gguf")
+    path = write_gguf(model_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)
+    prompts = [load_tokenizer(str(path))(p).input_ids for p in PROMPTS]
+    want_ids, logits = greedy_steps(make_runner(path, dtype="float32"), prompts, GGUF_NEW_TOKENS)
+    with ServerHandle(path, extra_args=[*extra, "--dtype", "float32", "--skip-server-warmup"]) as server:
+        def run(prompt: str) -> dict:
+            r = httpx.post(server.base_url + "/generate", timeout=120, json={
+                "text": prompt, "return_logprob": True, "sampling_params": {
+                    "temperature": 0, "max_new_tokens": GGUF_NEW_TOKENS, "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outs = list(pool.map(run, PROMPTS * 2))
+        embed = httpx.post(server.base_url + "/get_weights_by_name", timeout=60,
+                           json={"name": "model.embed_tokens.weight", "truncate_size": 3})
+    for i, out in enumerate(outs):
+        n = i % len(PROMPTS)
+        assert out["output_ids"] == want_ids[n], PROMPTS[n]
+        for step, (logprob, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            want = torch.log_softmax(logits[step][n], -1)[token].item()
+            assert abs(logprob - want) < LOGPROB_TOL, (PROMPTS[n], step, logprob, want)
+    assert embed.status_code == 200, embed.text
+    rows = dict(iterate_gguf_weights(str(path), show_progress=False))["model.embed_tokens.weight"][:3]
+    assert torch.allclose(torch.tensor(embed.json()), rows)

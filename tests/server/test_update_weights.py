@@ -1,6 +1,8 @@
 """Weight updates without a restart (issue #12 part 2): /update_weights_from_disk swaps in
 model B's weights (same architecture, another seed), /get_weights_by_name shows them, the
-weight version moves, the memory invariant holds; a bad update leaves model A serving."""
+weight version moves, the memory invariant holds; a bad update leaves model A serving.
+GGUF files update the same way (from a directory to a file, file to file), and one of
+another shape is refused naming the field."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import hf_reference
+from gguf_writer import write_gguf
 from http_helpers import assert_memory_idle, generate, stream_events
+from runner_steps import greedy_steps, make_runner
 from server_launcher import ServerHandle
+from tandem.model_executor.gguf_loader import iterate_gguf_weights
 from tandem.tools.make_tiny_model import make_tiny_model
 
 PROMPT = [1, 17, 42, 99, 7, 23]
@@ -118,6 +123,44 @@ def wait_running(client, timeout: float = 20.0) -> None:
     while client.get("/server_info").json()["num_running_reqs"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def test_update_from_gguf_files(client, tiny_llama_dir, model_b, tiny_mqa_dir, tmp_path):
+    """Model B as an F32 GGUF file (exactly B's weights: B's outputs), then model A as an
+    F16 one (its outputs in this process); /get_weights_by_name reads the served file;
+    a GGUF file of another shape is refused and B keeps serving."""
+    b_file = write_gguf(model_b, tmp_path / "b.gguf", "F32")
+    a_file = write_gguf(tiny_llama_dir, tmp_path / "a.gguf", "F16")
+    other = write_gguf(tiny_mqa_dir, tmp_path / "mqa.gguf", "F32")
+
+    def served_rows(name: str) -> torch.Tensor:
+        r = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 2})
+        assert r.status_code == 200, r.text
+        return torch.tensor(r.json())
+
+    def file_rows(path, name: str) -> torch.Tensor:
+        return dict(iterate_gguf_weights(str(path), show_progress=False))[name][:2]
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(b_file)})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    b_ids = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert greedy(client)["output_ids"] == b_ids
+    for name in (EMBED, "lm_head.weight", "model.layers.1.self_attn.k_proj.weight"):  # k: un-permuted rows
+        assert torch.equal(served_rows(name), checkpoint_rows(model_b, name, 2)), name
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(other)})
+    assert r.status_code == 400, r.text
+    assert r.json()["success"] is False and "num_key_value_heads (1)" in r.json()["message"], r.json()
+    assert greedy(client)["output_ids"] == b_ids
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(a_file), "weight_version": "a-f16"})
+    assert r.status_code == 200, r.text
+    a_ids = greedy_steps(make_runner(a_file, dtype="float32"), [PROMPT], NEW_TOKENS)[0][0]
+    out = greedy(client)
+    assert out["output_ids"] == a_ids and out["meta_info"]["weight_version"] == "a-f16"
+    assert torch.equal(served_rows(EMBED), file_rows(a_file, EMBED))
+    assert client.post("/update_weights_from_disk", json={"model_path": str(tiny_llama_dir)}).status_code == 200
+    assert_memory_idle(client)
 
 
 def truncated_copy(model_dir, dest, name: str):
