@@ -234,10 +234,19 @@ def _cache_root() -> str:
     return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
 
 
+# Bumped when what gguf_model_dir writes changes.
+CACHE_LAYOUT = 2
+
+
 def _cache_key(path: str) -> str:
+    """Names the file (path, size, mtime) and what builds its view (transformers builds the
+    tokenizer; CACHE_LAYOUT the rest)."""
+    import transformers
+
     first = os.path.realpath(find_gguf_files(path)[0])
     stat = os.stat(first)
-    return hashlib.sha256(f"{first}\0{stat.st_size}\0{stat.st_mtime_ns}\0v2".encode()).hexdigest()[:24]
+    parts = (first, stat.st_size, stat.st_mtime_ns, transformers.__version__, CACHE_LAYOUT)
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
 def gguf_model_dir(path: str, need_tokenizer: bool = True) -> str:
