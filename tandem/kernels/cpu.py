@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "quant_linear_cpu.cpp")
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-w")
 

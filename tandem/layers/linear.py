@@ -15,7 +15,8 @@ the file, `tandem.layers.weight_shard`):
 After loading, `process_weights_after_loading(backend)` picks the matmul kernel for this
 rank's shard (`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the
 weight, and `weight` is then left empty unless the caller keeps it (a head tied to the
-embedding).
+embedding). A layer loaded from GGUF also keeps its blocks quantized, and inputs of few
+rows (decode) multiply those (`tandem.layers.quantization.gguf_linear`, backend `auto`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, BlockPart, QuantLinearKernel, is_gguf_tensor
 from tandem.layers.weight_shard import read_shard, read_whole
 
 
@@ -51,6 +53,17 @@ class LinearBase(nn.Module):
             if p is not None:
                 p.weight_loader = self.weight_loader
         self.kernel: LinearKernel | None = None
+        self.quant_kernel: QuantLinearKernel | None = None
+        self.gguf_parts: list[BlockPart] = []  # where the weight's rows came from, for GGUF
+        self.dequantized_types: set[str] = set()
+
+    def keep_blocks(self, loaded, dest_row: int, row_start: int, rows: int, col_start: int = 0,
+                    cols: int | None = None) -> None:
+        """Note that weight rows `[dest_row, +rows)` are `loaded`'s rows `[row_start, ...)`
+        (columns `[col_start, +cols)`), when `loaded` is a GGUF tensor."""
+        if is_gguf_tensor(loaded):
+            cols = self.weight.shape[1] if cols is None else cols
+            self.gguf_parts.append(BlockPart(dest_row, loaded, row_start, rows, col_start, cols))
 
     # The bias the kernel adds (RowParallelLinear adds its own after the all-reduce).
     def _kernel_bias(self) -> torch.Tensor | None:
@@ -59,11 +72,19 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self, backend: str, keep_weight: bool = False) -> None:
         """Choose the matmul kernel for the loaded weight; free `weight` when a packed
         kernel holds it, unless `keep_weight` (it is shared with another module)."""
+        parts, self.gguf_parts = self.gguf_parts, []
+        self.quant_kernel = None
+        if backend == "auto":
+            self.quant_kernel = QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias())
+        # GGUF types this layer serves dequantized only (no quantized kernel for them here)
+        self.dequantized_types = {p.loaded.qtype.name for p in parts} if self.quant_kernel is None else set()
         self.kernel = make_linear_kernel(self.weight.data, self._kernel_bias(), backend)
         if self.kernel is not None and not keep_weight:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_kernel is not None and x.numel() <= QUANT_MAX_ROWS * x.shape[-1]:
+            return self.quant_kernel(x)
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self._kernel_bias())
@@ -82,6 +103,8 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
         param.data.copy_(read_shard(loaded, 0, self.tp_rank * size, size))
+        if param.dim() == 2:
+            self.keep_blocks(loaded, 0, self.tp_rank * size, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -103,6 +126,7 @@ class RowParallelLinear(LinearBase):
             return
         size = param.shape[1]
         param.data.copy_(read_shard(loaded, 1, self.tp_rank * size, size))
+        self.keep_blocks(loaded, 0, 0, param.shape[0], self.tp_rank * size, size)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -124,6 +148,8 @@ class MergedColumnParallelLinear(LinearBase):
         size = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
         param.data.narrow(0, offset, size).copy_(read_shard(loaded, 0, self.shard_starts[shard_id], size))
+        if param.dim() == 2:
+            self.keep_blocks(loaded, offset, self.shard_starts[shard_id], size)
 
 
 @dataclass(frozen=True)

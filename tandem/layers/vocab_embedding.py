@@ -75,6 +75,7 @@ class ParallelLMHead(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         self.shard.load(param, loaded)
+        self.keep_blocks(loaded, 0, self.shard.start, self.shard.end - self.shard.start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(x)

@@ -16,6 +16,7 @@ ends with the same full logits.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -31,6 +32,8 @@ from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.mem_cache.memory_pool import TokenToKVPool
 from tandem.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 def rope_settings(config) -> tuple[float, dict | None]:
@@ -179,11 +182,16 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self, linear_backend: str) -> None:
         """Choose every linear layer's matmul kernel (`--linear-backend`) once loaded."""
+        dequantized: set[str] = set()
         for module in self.modules():
             if isinstance(module, LinearBase):
                 # A tied head shares its weight with the embedding lookup: keep it.
                 keep = module is self.lm_head and self.tie_word_embeddings
                 module.process_weights_after_loading(linear_backend, keep_weight=keep)
+                dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
+        if dequantized and linear_backend == "auto":
+            logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
+                        ", ".join(sorted(dequantized)))
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, ctx: ModelContext) -> LogitsProcessorOutput:
@@ -200,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue
+            if self.tie_word_embeddings and name == "model.embed_tokens.weight":  # the head's GGUF blocks too
+                shard = self.lm_head.shard
+                self.lm_head.keep_blocks(tensor, 0, shard.start, shard.end - shard.start)
             for ckpt_part, param_part, shard_id in self.stacked_params:
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, param_part)

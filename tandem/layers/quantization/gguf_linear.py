@@ -1,0 +1,105 @@
+"""GGUF weights kept quantized for the matmuls that read every weight for few rows.
+
+A linear layer loaded from a GGUF file records, besides its dense weight, which part of
+which file tensor each of its rows came from (`BlockPart`: a fused QKV or gate-up layer
+has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
+`QuantLinearKernel.build` repacks those parts' blocks into one of Tandem's layouts
+(`gguf_repack`, exact for every supported type) and the layer multiplies inputs of at
+most `QUANT_MAX_ROWS` rows (decode steps) with the C++ kernel `tandem_cpu.quant_linear`,
+reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
+the dense kernel, which is faster there. Results equal the dense matmul's up to the
+summation order (the kernel computes in float32 on the exact dequantized values).
+
+Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows) are widened
+to the 8-bit layout to share one matrix. Where a part has no layout (F16, BF16, F32, a
+type without one), a tensor-parallel column slice does not fall on group boundaries, the
+rows do not cover the whole weight, the weight is not on the CPU or the C++ kernels are
+unavailable, the layer keeps only the dense kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.quantization.gguf_repack import Packed, concat_rows, repack, slice_cols, widen
+
+# Inputs of up to this many rows run on the quantized weights (measured on the default
+# model: docs/benchmarks.md, "GGUF weights kept quantized").
+QUANT_MAX_ROWS = 8
+
+
+def is_gguf_tensor(loaded: Any) -> bool:
+    """Whether a checkpoint tensor carries GGUF blocks (`gguf_loader.GGUFWeight`)."""
+    return hasattr(loaded, "blocks") and hasattr(loaded, "qtype")
+
+
+@dataclass(frozen=True)
+class BlockPart:
+    """Rows `[dest_row, dest_row + rows)` of a layer's weight are rows `[row_start, ...)`
+    and columns `[col_start, col_start + cols)` of the GGUF tensor `loaded`."""
+
+    dest_row: int
+    loaded: Any
+    row_start: int
+    rows: int
+    col_start: int
+    cols: int
+
+    def pack(self) -> Packed | None:
+        full_cols = self.loaded.shape[1]
+        blocks = np.ascontiguousarray(self.loaded.blocks[self.row_start:self.row_start + self.rows])
+        packed = repack(blocks, self.loaded.qtype, (self.rows, full_cols))
+        if packed is None or self.cols == full_cols:
+            return packed
+        try:
+            return slice_cols(packed, self.col_start, self.cols)
+        except ValueError:  # not on group boundaries
+            return None
+
+
+class QuantLinearKernel:
+    """`x @ W.T (+ b)` for W in a `Packed` layout (x: [..., in], float32/bfloat16/float16)."""
+
+    def __init__(self, packed: Packed, bias: torch.Tensor | None, ops):
+        self.bits, self.group, self.ops = packed.bits, packed.group, ops
+        self.q, self.scale, self.mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
+        self.out_features, self.in_features = packed.rows, packed.cols
+        self.bias = None if bias is None else bias.detach()
+
+    @classmethod
+    def build(cls, parts: list[BlockPart], weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantLinearKernel | None":
+        """The kernel for a layer whose rows `parts` name, or None (module docstring)."""
+        if not parts or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        parts = sorted(parts, key=lambda p: p.dest_row)
+        rows = 0
+        for part in parts:
+            if part.dest_row != rows or part.cols != weight.shape[1]:
+                return None
+            rows += part.rows
+        if rows != weight.shape[0]:
+            return None
+        ops = cpu_kernels.load()
+        packs = [part.pack() for part in parts]
+        if ops is None or any(p is None for p in packs):
+            return None
+        if len({(p.bits, p.group) for p in packs}) > 1:
+            group = min(p.group for p in packs)
+            packs = [widen(p, group) for p in packs]
+        return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = self.ops.quant_linear(x.reshape(-1, self.in_features), self.q, self.scale, self.mn,
+                                    self.bits, self.group)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*lead, self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.mn))

@@ -1,0 +1,128 @@
+"""The C++ quantized matmul (`tandem_cpu.quant_linear`) and the linear layers that keep GGUF
+blocks for it (`tandem.layers.quantization.gguf_linear`):
+
+- against dequantize-then-matmul in float64 on blocks of every type with a layout, odd
+  shapes and row counts 1, 2, 3, 17, 64, 300: within 2e-6 of the largest output in float32,
+  and, for bfloat16 inputs, within one bfloat16 rounding of the float32 result;
+- a fused layer whose parts have different types (a Q4_K_M file's Q4_K and Q6_K rows) and a
+  tensor-parallel column shard run quantized and equal the dense layer;
+- the layer uses the quantized weights for few rows and the dense kernel for many, and
+  keeps only the dense one where a part has no layout (F16) or `--linear-backend torch`.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gguf_writer import quantize as quantize_k
+from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
+from tandem.layers.quantization.gguf_repack import repack
+from tandem.model_executor.gguf_loader import GGUFWeight
+
+QT = gguf.GGMLQuantizationType
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+ops = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels are not built (no compiler)")
+
+
+def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        return gguf.quants.quantize(x, QT[name])
+    return quantize_k(x, name)
+
+
+def gguf_weight(name: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
+    return GGUFWeight(blocks(name, rows, cols, seed), QT[name], (rows, cols))
+
+
+def run(packed, x: torch.Tensor) -> torch.Tensor:
+    return ops.quant_linear(x, *(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)),
+                            packed.bits, packed.group)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300])
+def test_kernel_equals_dequantize_then_matmul(name, rows):
+    out_features, in_features = (7, 256) if rows > 17 else (300, 768)  # odd output counts
+    packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name]))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ weight.double().T
+    got = run(packed, x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
+    xb = x.bfloat16()
+    got_bf16 = run(packed, xb)
+    assert got_bf16.dtype == torch.bfloat16
+    ref_bf16 = (xb.double() @ weight.double().T).float().bfloat16()
+    torch.testing.assert_close(got_bf16.float(), ref_bf16.float(), atol=1e-5 * ref.abs().max().item(),
+                               rtol=2 ** -7)
+
+
+def test_kernel_refuses_bad_layouts():
+    packed = repack(blocks("Q4_0", 4, 64), QT["Q4_0"], (4, 64))
+    q, scale, mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
+    with pytest.raises(RuntimeError, match="layouts are"):
+        ops.quant_linear(torch.randn(1, 64), q, scale, mn, 4, 16)
+    with pytest.raises(RuntimeError, match="multiple of the group"):
+        ops.quant_linear(torch.randn(1, 48), q, scale, mn, 4, 32)
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.quant_linear(torch.randn(1, 64), q.int(), scale, mn, 4, 32)
+
+
+def test_fused_layer_of_mixed_types_runs_quantized():
+    layer = MergedColumnParallelLinear(256, [64, 32], bias=False)
+    parts = [gguf_weight("Q4_K", 64, 256, 1), gguf_weight("Q6_K", 32, 256, 2)]
+    for shard, loaded in enumerate(parts):
+        layer.weight_loader(layer.weight, loaded, shard)
+    dense = layer.weight.data.clone()
+    layer.process_weights_after_loading("auto")
+    assert layer.quant_kernel is not None and (layer.quant_kernel.bits, layer.quant_kernel.group) == (8, 16)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_row_parallel_shard_runs_quantized(tp_rank):
+    layer = RowParallelLinear(512, 48, bias=False, tp_rank=tp_rank, tp_size=2)
+    layer.tp_size = 1  # the matmul alone: no all-reduce outside a TP group
+    loaded = gguf_weight("Q4_0", 48, 512)
+    layer.weight_loader(layer.weight, loaded)
+    dense = layer.weight.data.clone()
+    layer.process_weights_after_loading("auto")
+    assert layer.quant_kernel is not None and layer.quant_kernel.in_features == 256
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)
+
+
+def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch):
+    layer = MergedColumnParallelLinear(256, [32, 32], bias=False)
+    for shard in (0, 1):
+        layer.weight_loader(layer.weight, gguf_weight("Q8_0", 32, 256, shard), shard)
+    layer.process_weights_after_loading("auto")
+    calls = []
+    kernel = layer.quant_kernel
+    monkeypatch.setattr(layer, "quant_kernel", lambda x: calls.append(x.shape[0]) or kernel(x))
+    layer.matmul(torch.randn(QUANT_MAX_ROWS, 256))
+    layer.matmul(torch.randn(QUANT_MAX_ROWS + 1, 256))
+    assert calls == [QUANT_MAX_ROWS]
+
+
+def test_dense_only_without_a_layout_or_with_the_torch_backend():
+    f16 = MergedColumnParallelLinear(256, [32, 32], bias=False)
+    f16.weight_loader(f16.weight, gguf_weight("Q8_0", 32, 256), 0)
+    half = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float16)
+    f16.weight_loader(f16.weight, GGUFWeight(half, QT.F16, (32, 256)), 1)
+    f16.process_weights_after_loading("auto")
+    assert f16.quant_kernel is None and f16.dequantized_types == {"F16", "Q8_0"}
+    torch_backend = MergedColumnParallelLinear(256, [32, 32], bias=False)
+    for shard in (0, 1):
+        torch_backend.weight_loader(torch_backend.weight, gguf_weight("Q8_0", 32, 256, shard), shard)
+    torch_backend.process_weights_after_loading("torch")
+    assert torch_backend.quant_kernel is None and torch_backend.kernel is None
