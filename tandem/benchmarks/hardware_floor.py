@@ -1,6 +1,7 @@
 """What the hardware allows for one decode step: `bench_one_batch --floor`.
 
-A decode step must read every weight once and each request's KV cache once, and do
+A decode step must read every weight once (the quantized blocks, for layers that multiply
+a batch this small by them: `gguf_linear`) and each request's KV cache once, and do
 2 FLOPs per weight per request plus the attention's 4 * seq_len * heads * head_dim per
 request and layer. Its floor is the larger of (bytes / measured memory bandwidth) and
 (FLOPs / measured matmul throughput at the batch's row count, in the model's dtype);
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.linear import LinearBase
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 
 _BANDWIDTH_BYTES = 512 * 2**20
 _MATMUL_DIM = 1024
@@ -65,13 +67,26 @@ def measure_matmul_flops(rows: int, dtype: torch.dtype) -> float:
 def linear_weight_elements(model: nn.Module) -> int:
     """Weights every token multiplies (all linear layers, the LM head included), whether
     held as `weight` or only by a packed kernel."""
+    return sum(_dense_elements(m) for m in model.modules() if isinstance(m, LinearBase))
+
+
+def linear_weight_bytes(model: nn.Module, rows: int, element_size: int) -> int:
+    """Bytes of weights a step of `rows` rows reads: each layer's quantized blocks where it
+    multiplies that many rows by them, else its dense weights."""
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
-            kernel = module.kernel
-            total += (kernel.out_features * kernel.in_features if kernel is not None and module.weight.numel() == 0
-                      else module.weight.numel())
+            if module.quant_kernel is not None and rows <= QUANT_MAX_ROWS:
+                total += module.quant_kernel.nbytes()
+            else:
+                total += _dense_elements(module) * element_size
     return total
+
+
+def _dense_elements(module: LinearBase) -> int:
+    kernel = module.kernel
+    return (kernel.out_features * kernel.in_features if kernel is not None and module.weight.numel() == 0
+            else module.weight.numel())
 
 
 def decode_floor(model: nn.Module, dtype: torch.dtype, seq_lens: list[int], num_layers: int, num_heads: int,
@@ -81,7 +96,7 @@ def decode_floor(model: nn.Module, dtype: torch.dtype, seq_lens: list[int], num_
     weights = linear_weight_elements(model)
     tokens = sum(seq_lens)
     kv_bytes = tokens * num_layers * 2 * num_kv_heads * head_dim * size
-    bytes_read = weights * size + kv_bytes
+    bytes_read = linear_weight_bytes(model, len(seq_lens), size) + kv_bytes
     flops = 2 * len(seq_lens) * weights + 4 * tokens * num_layers * num_heads * head_dim
     floor_s = max(bytes_read / bandwidth, flops / matmul_flops)
     return DecodeFloor(bytes_read, flops, bandwidth, matmul_flops, floor_s)

@@ -81,10 +81,11 @@ inline void group_weights(const uint8_t* q, float scale, vec16* w) {
   }
 }
 
-// NR rows of x (float32 [.., K], from `x`) times output rows [n0, n1): y[r * N + n].
-template <int BITS, int GROUP, int NR>
-void quant_block(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* mn, float* y,
-                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// NR rows of x (float32 [.., K], from `x`) times output rows [n0, n1) (+ bias[n]): y[r * N + n],
+// rounded to T.
+template <int BITS, int GROUP, int NR, typename T>
+void quant_block(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* mn,
+                 const float* bias, T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int kParts = GROUP / 16;
   const int64_t G = K / GROUP;
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
@@ -108,36 +109,73 @@ void quant_block(const float* x, const float* xsum, const uint8_t* q, const floa
       const float* xs = xsum + r * G;
       float offset = 0.f;
       for (int64_t g = 0; g < G; ++g) offset += mnn[g] * xs[g];
-      y[r * N + n] = lane_sum(acc[r]) + offset;
+      y[r * N + n] = static_cast<T>(lane_sum(acc[r]) + offset + (bias ? bias[n] : 0.f));
     }
   }
 }
 
 // Every row of x (float32 [R, K]) times output rows [n0, n1), up to kRowBlock rows of x per
 // read of the weights.
-template <int BITS, int GROUP>
-void quant_rows(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* mn, float* y,
-                int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <int BITS, int GROUP, typename T>
+void quant_rows(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* mn,
+                const float* bias, T* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / GROUP;
   for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
     const float* xr = x + r0 * K;
     const float* xs = xsum + r0 * G;
-    float* yr = y + r0 * N;
+    T* yr = y + r0 * N;
     switch (std::min<int64_t>(kRowBlock, R - r0)) {
-      case 1: quant_block<BITS, GROUP, 1>(xr, xs, q, scale, mn, yr, K, N, n0, n1); break;
-      case 2: quant_block<BITS, GROUP, 2>(xr, xs, q, scale, mn, yr, K, N, n0, n1); break;
-      case 3: quant_block<BITS, GROUP, 3>(xr, xs, q, scale, mn, yr, K, N, n0, n1); break;
-      default: quant_block<BITS, GROUP, 4>(xr, xs, q, scale, mn, yr, K, N, n0, n1); break;
+      case 1: quant_block<BITS, GROUP, 1>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      case 2: quant_block<BITS, GROUP, 2>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      case 3: quant_block<BITS, GROUP, 3>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      default: quant_block<BITS, GROUP, 4>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
     }
   }
 }
 
-// x [R, K] (float32, bfloat16 or float16); q uint8 [N, K/2] (bits 4) or [N, K] (bits 8);
-// scale, mn float32 [N, K/group]. Returns y [R, N] in x's dtype.
+// x's rows in float32, and each group's sum; then every output row, split over threads.
+template <typename T>
+void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                       const float* bias, int64_t bits, int64_t group, at::Tensor& y) {
+  const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
+  std::vector<float> xf(R * K), xsum(R * G);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < R; ++r) {
+    const T* row = xp + r * x.stride(0);
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+        const vec16 v = load16(row + k);
+        store16(xf.data() + r * K + k, v);
+        sum += lane_sum(v);
+      }
+      xsum[r * G + g] = sum;
+    }
+  }
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = mn.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
+  // Output rows per task: ~64 KB of weights, below which a second thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (bits == 4) {
+      quant_rows<4, 32>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
+    } else if (group == 32) {
+      quant_rows<8, 32>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
+    } else {
+      quant_rows<8, 16>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
+    }
+  });
+}
+
+// x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
+// [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None. Returns
+// y [R, N] in x's dtype (the float32 sum rounded once).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                        int64_t bits, int64_t group) {
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "quant_linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, in]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
   TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
               "quant_linear: layouts are bits 4 group 32, bits 8 group 16 or 32");
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0);
@@ -150,32 +188,25 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
                     t->size(1) == G,
                 "quant_linear: scale and mn must be contiguous float32 [out, in/group]");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor xsum = xf.view({R, G, group}).sum(-1).contiguous();
-  auto y = at::empty({R, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = mn.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Output rows per task: ~64 KB of weights, below which a second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (bits == 4) {
-      quant_rows<4, 32>(xp, xs, qp, sp, mp, yp, R, K, N, n0, n1);
-    } else if (group == 32) {
-      quant_rows<8, 32>(xp, xs, qp, sp, mp, yp, R, K, N, n0, n1);
-    } else {
-      quant_rows<8, 16>(xp, xs, qp, sp, mp, yp, R, K, N, n0, n1);
-    }
-  });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  const float* bias_p = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_linear: bias must be contiguous float32 [out]");
+    bias_p = bias->data_ptr<float>();
+  }
+  auto y = at::empty({R, N}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: quant_linear_impl<float>(x, q, scale, mn, bias_p, bits, group, y); break;
+    case at::kBFloat16: quant_linear_impl<c10::BFloat16>(x, q, scale, mn, bias_p, bits, group, y); break;
+    case at::kHalf: quant_linear_impl<c10::Half>(x, q, scale, mn, bias_p, bits, group, y); break;
+    default: TORCH_CHECK(false, "quant_linear: unsupported dtype ", x.scalar_type());
+  }
+  return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
 }
