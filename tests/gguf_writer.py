@@ -216,16 +216,22 @@ def _quantize_q2_k(blocks: np.ndarray) -> np.ndarray:
                            dmin.view(np.uint8).reshape(n, 2)], axis=1)
 
 
+def _quantize_symmetric_k(x: np.ndarray, q_min: int, sc_min: int):
+    """Q3_K/Q6_K's signed codes: per 16-value sub-block of x [n, 16, 16] a scale whose
+    largest magnitude maps to `q_min`, stored as integers in [sc_min, -sc_min) of one f16
+    super-scale d; returns (d, sc, q) with q in [q_min, -q_min) (floats)."""
+    scale = _signed_absmax(x) / q_min
+    d = _f16(_signed_absmax(scale) / sc_min)
+    d32 = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(_safe_div(scale, d32)), sc_min, -sc_min - 1)
+    q = np.clip(np.rint(_safe_div(x, (d32 * sc)[..., None])), q_min, -q_min - 1)
+    return d, sc, q
+
+
 def _quantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
-    x = blocks.reshape(n, 16, 16)
-    scale = _signed_absmax(x) / -4  # the largest magnitude maps to -4
-    d = _f16(_signed_absmax(scale) / -32)
-    d32 = d.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(_safe_div(scale, d32)), -32, 31)
-    eff = (d32 * sc)[..., None]
-    q = np.clip(np.rint(_safe_div(x, eff)), -4, 3).astype(np.int8)
-    q3 = (q + 4).astype(np.uint8).reshape(n, 256)
+    d, sc, q = _quantize_symmetric_k(blocks.reshape(n, 16, 16), -4, -32)
+    q3 = (q.astype(np.int8) + 4).astype(np.uint8).reshape(n, 256)
     low = (q3 & 3).reshape(n, 2, 4, 32)  # element h*128 + s*32 + l -> qs[h*32 + l] bits 2s
     qs = (low << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
     high = (q3 >> 2).reshape(n, 8, 32)  # element b*32 + l -> hmask[l] bit b
@@ -260,12 +266,7 @@ def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
 
 def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
-    x = blocks.reshape(n, 16, 16)
-    scale = _signed_absmax(x) / -32  # the largest magnitude maps to -32
-    d = _f16(_signed_absmax(scale) / -128)
-    d32 = d.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(_safe_div(scale, d32)), -128, 127)
-    q = np.clip(np.rint(_safe_div(x, (d32 * sc)[..., None])), -32, 31)
+    d, sc, q = _quantize_symmetric_k(blocks.reshape(n, 16, 16), -32, -128)
     u = (q + 32).astype(np.uint8).reshape(n, 256)
     low = (u & 0xF).reshape(n, 2, 2, 64)  # element h*128 + t*64 + k -> ql[h*64 + k] nibble t
     ql = low[:, :, 0, :] | (low[:, :, 1, :] << 4)
