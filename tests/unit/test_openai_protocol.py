@@ -306,6 +306,7 @@ class FakeTM:
         self.tokenizer, self.context_len, self.vocab_size = tokenizer, context_len, 1536
         self.text_encoder = TextEncoder(tokenizer)
         self.server_args = _args()
+        self.scheduler_info = {"context_length": context_len, "vocab_size": 1536}  # what the scheduler reports
         self.requests = []
 
     async def generate_request(self, obj, incremental=False):
