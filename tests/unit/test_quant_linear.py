@@ -126,3 +126,16 @@ def test_dense_only_without_a_layout_or_with_the_torch_backend():
         torch_backend.weight_loader(torch_backend.weight, gguf_weight("Q8_0", 32, 256, shard), shard)
     torch_backend.process_weights_after_loading("torch")
     assert torch_backend.quant_kernel is None and torch_backend.kernel is None
+
+
+@pytest.mark.parametrize("name,half", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("Q5_1", True),
+                                       ("Q4_K", False), ("Q6_K", False)])
+def test_scales_are_float16_where_that_is_exact(name, half):
+    layer = MergedColumnParallelLinear(256, [64], bias=False)
+    layer.weight_loader(layer.weight, gguf_weight(name, 64, 256), 0)
+    dense = layer.weight.data.clone()
+    layer.process_weights_after_loading("auto")
+    kernel = layer.quant_kernel
+    assert kernel.scale.dtype == kernel.mn.dtype == (torch.float16 if half else torch.float32)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)

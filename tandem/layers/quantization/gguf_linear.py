@@ -4,8 +4,9 @@ A linear layer loaded from a GGUF file records, besides its dense weight, which 
 which file tensor each of its rows came from (`BlockPart`: a fused QKV or gate-up layer
 has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
 `QuantLinearKernel.build` repacks those parts' blocks into one of Tandem's layouts
-(`gguf_repack`, exact for every supported type) and the layer multiplies inputs of at
-most `QUANT_MAX_ROWS` rows (decode steps) with the C++ kernel `tandem_cpu.quant_linear`,
+(`gguf_repack`, exact for every supported type; scales in float16 where that is exact)
+and the layer multiplies inputs of at most `QUANT_MAX_ROWS` rows (decode steps) with the
+C++ kernel `tandem_cpu.quant_linear`,
 reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
 the dense kernel, which is faster there. Results equal the dense matmul's up to the
 summation order (the kernel computes in float32 on the exact dequantized values).
@@ -63,12 +64,23 @@ class BlockPart:
             return None
 
 
+def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`scale` and `mn` as float16 when float16 holds every value exactly (the types whose
+    file stores float16 scales: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1; 2 bytes fewer per group), else
+    as they are (float32)."""
+    with np.errstate(over="ignore"):
+        half = scale.astype(np.float16), mn.astype(np.float16)
+    exact = all(np.isfinite(h).all() and np.array_equal(h.astype(np.float32), f) for h, f in zip(half, (scale, mn)))
+    return half if exact else (scale, mn)
+
+
 class QuantLinearKernel:
     """`x @ W.T (+ b)` for W in a `Packed` layout (x: [..., in], float32/bfloat16/float16)."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, ops):
         self.bits, self.group, self.ops = packed.bits, packed.group, ops
-        self.q, self.scale, self.mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
+        self.q = torch.from_numpy(packed.q)
+        self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
         # The kernel adds the bias in float32 before rounding once; the dense path adds it in
         # the model's dtype (equal for float32 models).
