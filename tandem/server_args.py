@@ -171,13 +171,16 @@ class ServerArgs:
         self._validate_parallelism()
 
     def _resolve_load_format(self) -> None:
-        """A .gguf path (or a directory of GGUF weights) implies --load-format gguf, as in SGLang."""
+        """A .gguf path (or a directory of GGUF weights) implies --load-format gguf, as in SGLang;
+        SGLang's `--quantization gguf` is accepted with one."""
         from tandem.model_executor.gguf_loader import is_gguf_path
 
         if self.load_format == "gguf" and not is_gguf_path(self.model_path):
             raise ValueError(f"--load-format gguf: --model-path {self.model_path!r} names no .gguf file")
         if self.load_format in ("auto", "safetensors") and is_gguf_path(self.model_path):
             self.load_format = "gguf"
+        if self.quantization == "gguf" and self.load_format != "gguf":
+            raise ValueError(f"--quantization gguf: --model-path {self.model_path!r} names no .gguf file")
 
     def _validate_parallelism(self) -> None:
         if self.load_balance_method not in LOAD_BALANCE_METHODS:

@@ -69,7 +69,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag("kv_cache_dtype", ("--kv-cache-dtype",),
                "a KV cache dtype other than the model's is not built yet (only auto)", _is("auto")),
     # Features Tandem does not have.
-    CompatFlag("quantization", ("--quantization",), "quantization is not built yet", _OFF),
+    CompatFlag("quantization", ("--quantization",),
+               "only gguf is built (a GGUF model's own blocks; implied by a GGUF path)", _is(None, "gguf")),
     CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
     CompatFlag("enable_lora", ("--enable-lora",), "LoRA adapters are not built yet", _OFF, parse=_FLAG),
     CompatFlag("speculative_algorithm", ("--speculative-algorithm",),

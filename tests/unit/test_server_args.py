@@ -137,3 +137,11 @@ def test_mixed_chunk_is_off_unless_asked():
     normal loop on CPU: docs/benchmarks.md)."""
     assert _parse("--device", "cpu").enable_mixed_chunk is False
     assert _parse("--device", "cpu", "--enable-mixed-chunk").enable_mixed_chunk is True
+
+
+def test_quantization_gguf_goes_with_a_gguf_model():
+    args = _parse("--model-path", "/models/m.Q4_K_M.gguf", "--quantization", "gguf")
+    args.validate()
+    assert args.load_format == "gguf"
+    with pytest.raises(ValueError, match="--quantization gguf: --model-path '/m' names no .gguf file"):
+        _parse("--quantization", "gguf").validate()
