@@ -470,6 +470,12 @@ def write_gguf(
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config["rope_theta"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) in ("linear", "yarn"):  # as LlamaModel/Qwen2Model write them
+        writer.add_rope_scaling_type(gguf.RopeScalingType(scaling.get("rope_type", scaling.get("type"))))
+        writer.add_rope_scaling_factor(scaling["factor"])
+        if "original_max_position_embeddings" in scaling:
+            writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if (head_dim := config.get("head_dim")) is not None:
         writer.add_key_length(head_dim)

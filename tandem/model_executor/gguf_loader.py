@@ -223,6 +223,8 @@ class GGUFMetadata:
         kind = self.arch_value("rope.scaling.type")
         if kind in (None, "none"):
             return None
+        if kind != "linear":  # GGUF's other kinds: yarn, longrope
+            raise ValueError(f"--model-path: the GGUF file's RoPE scaling {kind!r} is not supported yet (only linear)")
         scaling = {"rope_type": kind, "factor": float(self.arch_value("rope.scaling.factor", 1.0))}
         original = self.arch_value("rope.scaling.original_context_length")
         if original:

@@ -84,6 +84,35 @@ def test_llama3_rope_frequency_factors_apply(tmp_path):
         torch.testing.assert_close(logits[0][i], ref_logits[0], atol=1e-4 * ref_logits[0].abs().max().item(), rtol=0)
 
 
+def scaled_model(tmp_path, scaling: dict):
+    model_dir = make_tiny_model(tmp_path / scaling["rope_type"], arch="llama", preset="gguf")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = scaling
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def test_linear_rope_scaling_from_metadata(tmp_path):
+    model_dir = scaled_model(tmp_path, {"rope_type": "linear", "factor": 4.0})
+    path = write_gguf(model_dir, tmp_path / "linear.gguf", "F32")
+    scaling = load_config(str(path)).rope_scaling
+    assert (scaling["rope_type"], scaling["factor"]) == ("linear", 4.0)
+    runner = make_runner(path, dtype="float32")
+    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    for i, prompt in enumerate(PROMPTS):
+        ref_ids, ref_logits = hf_greedy(model, prompt)
+        assert ids[i] == ref_ids, f"prompt {i}"
+
+
+def test_yarn_rope_scaling_is_refused_in_one_line(tmp_path):
+    model_dir = scaled_model(tmp_path, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
+    path = write_gguf(model_dir, tmp_path / "yarn.gguf", "F32")
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported yet"):
+        load_config(str(path))
+
+
 def test_split_set_loads_like_one_file(model_dirs, tmp_path):
     first = write_gguf(model_dirs["llama"], tmp_path / "split.gguf", "Q4_K", split=3)
     one = write_gguf(model_dirs["llama"], tmp_path / "one" / "one.gguf", "Q4_K")
