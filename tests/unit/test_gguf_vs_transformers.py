@@ -64,17 +64,19 @@ def test_greedy_and_logits_equal_transformers_gguf_loader(model_dirs, tmp_path, 
     assert_matches_transformers(write_gguf(model_dirs[arch], tmp_path / f"{arch}-{qtype}.gguf", qtype))
 
 
-def test_llama3_rope_frequency_factors_apply(tmp_path):
-    """llama.cpp stores Llama 3 RoPE scaling as `rope_freqs.weight` (which transformers'
-    GGUF loader ignores): Tandem on the GGUF equals transformers on the directory."""
-    model_dir = make_tiny_model(tmp_path / "llama3", arch="llama", preset="gguf")
+def scaled_model(tmp_path, scaling: dict):
+    """make_tiny_model's llama (gguf preset) with `scaling` as its config's rope_scaling."""
+    model_dir = make_tiny_model(tmp_path / scaling["rope_type"], arch="llama", preset="gguf")
     config = json.loads((model_dir / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config["rope_scaling"] = scaling
     (model_dir / "config.json").write_text(json.dumps(config))
-    path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
-    assert len(load_config(str(path)).rope_freq_factors) == 64
-    runner = make_runner(path, dtype="float32")
+    return model_dir
+
+
+def assert_matches_directory(gguf_path, model_dir):
+    """Tandem on the GGUF file against transformers on the Hugging Face directory it came
+    from: greedy tokens equal, first-step logits within 1e-4 of their largest."""
+    runner = make_runner(gguf_path, dtype="float32")
     ids, logits = greedy_steps(runner, PROMPTS, STEPS)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -84,12 +86,14 @@ def test_llama3_rope_frequency_factors_apply(tmp_path):
         torch.testing.assert_close(logits[0][i], ref_logits[0], atol=1e-4 * ref_logits[0].abs().max().item(), rtol=0)
 
 
-def scaled_model(tmp_path, scaling: dict):
-    model_dir = make_tiny_model(tmp_path / scaling["rope_type"], arch="llama", preset="gguf")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["rope_scaling"] = scaling
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir
+def test_llama3_rope_frequency_factors_apply(tmp_path):
+    """llama.cpp stores Llama 3 RoPE scaling as `rope_freqs.weight` (which transformers'
+    GGUF loader ignores): Tandem on the GGUF equals transformers on the directory."""
+    model_dir = scaled_model(tmp_path, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
+    assert len(load_config(str(path)).rope_freq_factors) == 64
+    assert_matches_directory(path, model_dir)
 
 
 def test_linear_rope_scaling_from_metadata(tmp_path):
@@ -97,13 +101,7 @@ def test_linear_rope_scaling_from_metadata(tmp_path):
     path = write_gguf(model_dir, tmp_path / "linear.gguf", "F32")
     scaling = load_config(str(path)).rope_scaling
     assert (scaling["rope_type"], scaling["factor"]) == ("linear", 4.0)
-    runner = make_runner(path, dtype="float32")
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt)
-        assert ids[i] == ref_ids, f"prompt {i}"
+    assert_matches_directory(path, model_dir)
 
 
 def test_yarn_rope_scaling_is_refused_in_one_line(tmp_path):
