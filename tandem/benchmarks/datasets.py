@@ -52,16 +52,15 @@ class TokenSpace:
 
 def load_token_space(tokenizer_path: str) -> TokenSpace:
     """Vocabulary size and special ids of a Hugging Face model/tokenizer directory (or of
-    a GGUF file: its cached Hugging Face view, `gguf_loader.gguf_model_dir`).
+    a GGUF file: its cached Hugging Face view, `gguf_loader.hf_view`).
 
     Reads tokenizer.json with `tokenizers` (fast); falls back to transformers'
     AutoTokenizer when there is none. The size is capped by config.json's `vocab_size`
     when present, so every id is also a valid embedding row.
     """
-    from tandem.model_executor.gguf_loader import gguf_model_dir, is_gguf_path
+    from tandem.model_executor.gguf_loader import hf_view
 
-    if is_gguf_path(tokenizer_path):
-        tokenizer_path = gguf_model_dir(tokenizer_path)
+    tokenizer_path = hf_view(tokenizer_path)
     specials: set[int] = set()
     tok_json = os.path.join(tokenizer_path, "tokenizer.json")
     if os.path.isfile(tok_json):

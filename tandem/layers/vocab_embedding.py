@@ -75,6 +75,11 @@ class ParallelLMHead(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         self.shard.load(param, loaded)
+        self.keep_shard_blocks(loaded)
+
+    def keep_shard_blocks(self, loaded: CheckpointTensor) -> None:
+        """Note this rank's rows of a [vocab, hidden] GGUF tensor (also for a head tied to the
+        embedding, whose weight the embedding loads)."""
         self.keep_blocks(loaded, 0, self.shard.start, self.shard.end - self.shard.start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -273,6 +273,12 @@ def gguf_model_dir(path: str, need_tokenizer: bool = True) -> str:
     return target
 
 
+def hf_view(path: str, need_tokenizer: bool = True) -> str:
+    """`path` itself for a Hugging Face directory; for a GGUF path its cached Hugging Face
+    style directory (`gguf_model_dir`): what the config and tokenizer loaders read."""
+    return gguf_model_dir(path, need_tokenizer) if is_gguf_path(path) else path
+
+
 def _build_model_dir(path: str, target: str) -> None:
     meta = GGUFMetadata(path)
     work = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".building-")

@@ -209,8 +209,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue
             if self.tie_word_embeddings and name == "model.embed_tokens.weight":  # the head's GGUF blocks too
-                shard = self.lm_head.shard
-                self.lm_head.keep_blocks(tensor, 0, shard.start, shard.end - shard.start)
+                self.lm_head.keep_shard_blocks(tensor)
             for ckpt_part, param_part, shard_id in self.stacked_params:
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, param_part)

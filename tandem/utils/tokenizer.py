@@ -17,9 +17,9 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def load_tokenizer(path: str):
     """The tokenizer of a Hugging Face directory, or the one transformers builds from a GGUF
     file's metadata (with its special tokens and chat template; cached on first use)."""
-    from tandem.model_executor.gguf_loader import gguf_model_dir, is_gguf_path
+    from tandem.model_executor.gguf_loader import hf_view
 
-    return AutoTokenizer.from_pretrained(gguf_model_dir(path) if is_gguf_path(path) else path)
+    return AutoTokenizer.from_pretrained(hf_view(path))
 
 
 def _as_set(value) -> set[int]:
