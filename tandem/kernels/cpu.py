@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "quant_linear_cpu.cpp")
 HEADERS = (CSRC / "vec.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-w")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-w")
+NATIVE = "native"  # -march: the build is for this machine's CPU
 
 
 def cache_dir() -> Path:
@@ -52,14 +53,15 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compile_commands(cxx: str, objects: list[Path], out: Path) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(cxx: str, sources: tuple[Path, ...], objects: list[Path], out: Path,
+                      march: str) -> tuple[list[list[str]], list[str]]:
     """One command per source (run side by side) compiling it to its object, then the link."""
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch.compiled_with_cxx11_abi())
-    compile_flags = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
-    compiles = [[cxx, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objects)]
+    compile_flags = [*FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
+    compiles = [[cxx, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
     link = [cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
             f"-Wl,-rpath,{torch_lib}"]
     return compiles, link
@@ -74,17 +76,19 @@ def _run_all(commands: list[list[str]], cxx: str) -> None:
             raise RuntimeError(f"{cxx} failed:\n{err[-4000:]}")
 
 
-def library_path() -> Path:
+def library_path(sources: tuple[Path, ...] = SOURCES, march: str = NATIVE) -> Path:
     key = hashlib.sha256()
-    for src in SOURCES + HEADERS:
+    for src in sources + HEADERS:
         key.update(src.read_bytes())
-    key.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_signature().encode())
+    key.update(" ".join((*FLAGS, march)).encode() + torch.__version__.encode() + _cpu_signature().encode())
     return cache_dir() / f"tandem_cpu_{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compile the library unless this machine's build is cached; its path. Raises on failure."""
-    path = library_path()
+def build(sources: tuple[Path, ...] = SOURCES, march: str = NATIVE) -> Path:
+    """Compile the library unless this machine's build is cached; its path. Raises on failure.
+    `sources` and `march` other than the defaults build a variant (tests of the kernels' paths
+    for other CPUs: `-march=x86-64-v3` has AVX2 and no AVX-512, `x86-64` neither)."""
+    path = library_path(sources, march)
     if path.exists():
         return path
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -92,9 +96,9 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler found (set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as work:
-        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+        objects = [Path(work) / f"{src.stem}.o" for src in sources]
         tmp = Path(work) / path.name
-        compiles, link = _compile_commands(cxx, objects, tmp)
+        compiles, link = _compile_commands(cxx, sources, objects, tmp, march)
         _run_all(compiles, cxx)
         _run_all([link], cxx)
         os.replace(tmp, path)  # atomic: a concurrent build's reader sees a whole file or none

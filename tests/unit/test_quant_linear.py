@@ -3,7 +3,11 @@ blocks for it (`tandem.layers.quantization.gguf_linear`):
 
 - against dequantize-then-matmul in float64 on blocks of every type with a layout, odd
   shapes and row counts 1, 2, 3, 17, 64, 300: within 2e-6 of the largest output in float32,
-  and, for bfloat16 inputs, within one bfloat16 rounding of the float32 result;
+  and, for bfloat16 inputs, within one bfloat16 rounding of the float32 result, where the
+  reference's x is first rounded per 32 columns to int8 as llama.cpp does when the build
+  takes the VNNI path (`quant_linear_isa()`);
+- the same checks on the builds for other CPUs (AVX2 without AVX-512; plain x86-64), each
+  compiled here in a subprocess, so the fallback paths run on every machine;
 - a fused layer whose parts have different types (a Q4_K_M file's Q4_K and Q6_K rows) and a
   tensor-parallel column shard run quantized and equal the dense layer;
 - the layer uses the quantized weights for few rows and the dense kernel for many, and
@@ -12,12 +16,17 @@ blocks for it (`tandem.layers.quantization.gguf_linear`):
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from gguf_writer import quantize as quantize_k
+from quant_kernel_checks import TYPES, blocks, check_kernel
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
@@ -25,16 +34,8 @@ from tandem.layers.quantization.gguf_repack import repack
 from tandem.model_executor.gguf_loader import GGUFWeight
 
 QT = gguf.GGMLQuantizationType
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels are not built (no compiler)")
-
-
-def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-        return gguf.quants.quantize(x, QT[name])
-    return quantize_k(x, name)
 
 
 def gguf_weight(name: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
@@ -49,20 +50,18 @@ def run(packed, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300])
 def test_kernel_equals_dequantize_then_matmul(name, rows):
-    out_features, in_features = (7, 256) if rows > 17 else (300, 768)  # odd output counts
-    packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
-    weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name]))
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    ref = x.double() @ weight.double().T
-    got = run(packed, x)
-    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
-    torch.testing.assert_close(got.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
-    xb = x.bfloat16()
-    got_bf16 = run(packed, xb)
-    assert got_bf16.dtype == torch.bfloat16
-    ref_bf16 = (xb.double() @ weight.double().T).float().bfloat16()
-    torch.testing.assert_close(got_bf16.float(), ref_bf16.float(), atol=1e-5 * ref.abs().max().item(),
-                               rtol=2 ** -7)
+    check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "float,avx2"), ("x86-64", "float,portable")])
+def test_kernel_builds_for_other_cpus(march, isa):
+    """The kernel compiled for a CPU without AVX-512 (AVX2) and for plain x86-64, loaded in a
+    subprocess (its ops have the same names), passes the same checks on every type."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "quant_kernel_checks.py"), march],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [isa, "ok"]
 
 
 def test_kernel_refuses_bad_layouts():

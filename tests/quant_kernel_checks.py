@@ -1,0 +1,79 @@
+"""Checks of the C++ quantized matmul shared by tests/unit/test_quant_linear.py and, run as
+`python tests/quant_kernel_checks.py MARCH`, by a build of the kernel for another CPU
+(`-march=MARCH`, compiled alone and loaded in this process): prints the build's paths
+(`quant_linear_isa()`) and "ok" once every type passes `check_kernel`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_writer import quantize as quantize_k  # noqa: E402
+from tandem.layers.quantization.gguf_repack import repack  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+
+
+def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        return gguf.quants.quantize(x, QT[name])
+    return quantize_k(x, name)
+
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the VNNI path rounds it: per 32 columns d = max|x| / 127 (float32) and
+    x ~ d * round(x * (1 / d)), to nearest even."""
+    x = x.float()
+    blocks = x.view(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / torch.tensor(127.0)
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+    return (d * torch.round(blocks * inv)).view_as(x)
+
+
+def half_rows_reference(x: torch.Tensor, isa: str) -> torch.Tensor:
+    """What a build with paths `isa` multiplies for bfloat16 / float16 rows x (float64)."""
+    return (int8_rows(x) if isa.startswith("avx512_vnni") else x).double()
+
+
+def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
+    """`kernel` (quant_linear of some build, whose paths are `isa`) against the float64
+    references of the module docstring: float32, bfloat16 and float16 rows."""
+    # Odd output counts; column counts that leave a partial 64-byte chunk at a row's end
+    # (17 groups of 32) where the type allows (K-quants hold 256 columns a block).
+    k_quant = name.endswith("_K")
+    out_features, in_features = (7, 256 if k_quant else 96) if rows > 17 else (300, 768 if k_quant else 544)
+    packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name])).double()
+    arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ weight.T
+    got = kernel(x, *arrays, packed.bits, packed.group)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
+    for dtype in (torch.bfloat16, torch.float16):
+        xh = x.to(dtype)
+        got_half = kernel(xh, *arrays, packed.bits, packed.group)
+        assert got_half.dtype == dtype
+        ref_half = (half_rows_reference(xh, isa) @ weight.T).float().to(dtype)
+        torch.testing.assert_close(got_half.float(), ref_half.float(), atol=1e-5 * ref.abs().max().item(),
+                                   rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+
+
+if __name__ == "__main__":
+    from tandem.kernels import cpu
+
+    torch.ops.load_library(str(cpu.build(sources=(cpu.CSRC / "quant_linear_cpu.cpp",), march=sys.argv[1])))
+    ops = torch.ops.tandem_cpu
+    for name in TYPES:
+        for rows in (1, 3, 5, 17, 64):
+            check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
+    print(ops.quant_linear_isa(), "ok")
