@@ -2,10 +2,12 @@
 
 A decode step must read every weight once (the quantized blocks, for layers that multiply
 a batch this small by them: `gguf_linear`) and each request's KV cache once, and do
-2 FLOPs per weight per request plus the attention's 4 * seq_len * heads * head_dim per
-request and layer. Its floor is the larger of (bytes / measured memory bandwidth) and
+2 FLOPs per dense weight per request plus the attention's 4 * seq_len * heads * head_dim
+per request and layer. Its floor is the larger of (bytes / measured memory bandwidth) and
 (FLOPs / measured matmul throughput at the batch's row count, in the model's dtype);
-the step's latency over that floor says how far the engine is from the machine.
+the step's latency over that floor says how far the engine is from the machine. The
+layers that run quantized count by their bytes only: their integer dot products are not
+what `F.linear` measures, and at these row counts the bytes bound them.
 
 Bandwidth is measured by summing a buffer far larger than the caches, matmul throughput
 by `F.linear` of the batch's rows against a 1024 x 1024 weight that stays in cache (so
@@ -64,10 +66,10 @@ def measure_matmul_flops(rows: int, dtype: torch.dtype) -> float:
     return 2 * rows * _MATMUL_DIM * _MATMUL_DIM / _best_time(lambda: F.linear(x, w))
 
 
-def linear_weight_elements(model: nn.Module) -> int:
-    """Weights every token multiplies (all linear layers, the LM head included), whether
-    held as `weight` or only by a packed kernel."""
-    return sum(_dense_elements(m) for m in model.modules() if isinstance(m, LinearBase))
+def dense_weight_elements(model: nn.Module, rows: int) -> int:
+    """Weights a step of `rows` rows multiplies in the model's dtype (not quantized)."""
+    return sum(_dense_elements(m) for m in model.modules()
+               if isinstance(m, LinearBase) and not (m.quant_kernel is not None and rows <= QUANT_MAX_ROWS))
 
 
 def linear_weight_bytes(model: nn.Module, rows: int, element_size: int) -> int:
@@ -93,7 +95,7 @@ def decode_floor(model: nn.Module, dtype: torch.dtype, seq_lens: list[int], num_
                  num_kv_heads: int, head_dim: int, bandwidth: float, matmul_flops: float) -> DecodeFloor:
     """The floor of one decode step of requests with KV lengths `seq_lens`."""
     size = torch.tensor([], dtype=dtype).element_size()
-    weights = linear_weight_elements(model)
+    weights = dense_weight_elements(model, len(seq_lens))
     tokens = sum(seq_lens)
     kv_bytes = tokens * num_layers * 2 * num_kv_heads * head_dim * size
     bytes_read = linear_weight_bytes(model, len(seq_lens), size) + kv_bytes
