@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from tandem.sglang_flags import add_compat_args, check_compat_flags
+from tandem.sglang_flags import QUANTIZE_AT_LOAD, add_compat_args, check_compat_flags
 from tandem.utils.ipc_dirs import make_ipc_dir
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,21 @@ class ServerArgs:
             self.load_format = "gguf"
         if self.quantization == "gguf" and self.load_format != "gguf":
             raise ValueError(f"--quantization gguf: --model-path {self.model_path!r} names no .gguf file")
+        if self.quantization in QUANTIZE_AT_LOAD:
+            self._check_quantize_at_load()
+
+    def _check_quantize_at_load(self) -> None:
+        """`--quantization q8_0|q4_0|q4_1` quantizes a Hugging Face checkpoint for the CPU's
+        quantized kernels: refused where they cannot serve it."""
+        flag = f"--quantization {self.quantization}"
+        if self.load_format == "gguf":
+            raise ValueError(f"{flag} quantizes a Hugging Face checkpoint at load, but --model-path "
+                             f"{self.model_path!r} is a GGUF model (served with its own blocks: drop {flag})")
+        if self.linear_backend != "auto":
+            raise ValueError(f"{flag} with --linear-backend {self.linear_backend}: only the auto backend has "
+                             "the quantized kernels")
+        if self.device.split(":")[0] != "cpu":
+            raise ValueError(f"{flag} with --device {self.device}: the quantized kernels are CPU-only")
 
     def _validate_parallelism(self) -> None:
         if self.load_balance_method not in LOAD_BALANCE_METHODS:

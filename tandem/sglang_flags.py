@@ -44,6 +44,10 @@ def _at_least(low: int) -> Callable[[Any], bool]:
     return lambda v: v >= low
 
 
+# `--quantization` methods that quantize a Hugging Face checkpoint's linear weights at load
+# to the GGUF type of that name (tandem.layers.quantization.gguf_linear.quantize_dense).
+QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1")
+
 _OFF = _is(None, False)
 _INT = {"type": int}
 _FLAG = {"action": "store_true"}
@@ -68,9 +72,11 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
                _is(None, 1), parse=_INT),
     CompatFlag("kv_cache_dtype", ("--kv-cache-dtype",),
                "a KV cache dtype other than the model's is not built yet (only auto)", _is("auto")),
-    # Features Tandem does not have.
     CompatFlag("quantization", ("--quantization",),
-               "only gguf is built (a GGUF model's own blocks; implied by a GGUF path)", _is(None, "gguf")),
+               "not supported; the methods built are gguf (a GGUF model's own blocks; implied by a GGUF "
+               f"path) and {', '.join(QUANTIZE_AT_LOAD)} (a Hugging Face checkpoint quantized at load)",
+               _is(None, "gguf", *QUANTIZE_AT_LOAD)),
+    # Features Tandem does not have.
     CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
     CompatFlag("enable_lora", ("--enable-lora",), "LoRA adapters are not built yet", _OFF, parse=_FLAG),
     CompatFlag("speculative_algorithm", ("--speculative-algorithm",),

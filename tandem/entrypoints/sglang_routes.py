@@ -30,7 +30,8 @@ _PROFILE_FIELDS = ("output_dir", "num_steps", "activities", "with_stack", "recor
 
 def model_info(server_args, hf_config) -> dict[str, Any]:
     """SGLang's /model_info keys (the features Tandem lacks report their 'off' value), and
-    for a GGUF model its file(s) and tensor types."""
+    for a GGUF model its file(s) and tensor types; `quantization` when `--quantization`
+    was given (gguf, or q8_0/q4_0/q4_1: quantized at load)."""
     gguf = getattr(hf_config, "gguf", None)
     return {
         "model_path": server_args.model_path,
@@ -48,6 +49,7 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
         "model_type": getattr(hf_config, "model_type", None),
         "architectures": getattr(hf_config, "architectures", None),
         **({"gguf": gguf} if gguf else {}),
+        **({"quantization": server_args.quantization} if server_args.quantization else {}),
     }
 
 

@@ -16,7 +16,9 @@ After loading, `process_weights_after_loading(backend)` picks the matmul kernel 
 rank's shard (`tandem.layers.linear_kernel`); a packed kernel holds the only copy of the
 weight, and `weight` is then left empty unless the caller keeps it (a head tied to the
 embedding). A layer loaded from GGUF also keeps its blocks quantized, and inputs of few
-rows (decode) multiply those (`tandem.layers.quantization.gguf_linear`, backend `auto`).
+rows (decode) multiply those (`tandem.layers.quantization.gguf_linear`, backend `auto`);
+`--quantization q8_0|q4_0|q4_1` makes such blocks from a dense checkpoint's weight
+(`process_weights_after_loading(backend, quantization=...)`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import nn
 
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, BlockPart, QuantLinearKernel, is_gguf_tensor
+from tandem.layers.quantization.gguf_linear import (QUANT_MAX_ROWS, BlockPart, QuantLinearKernel, is_gguf_tensor,
+                                                   quantize_dense)
 from tandem.layers.weight_shard import read_shard, read_whole
 
 
@@ -56,6 +59,7 @@ class LinearBase(nn.Module):
         self.quant_kernel: QuantLinearKernel | None = None
         self.gguf_parts: list[BlockPart] = []  # where the weight's rows came from, for GGUF
         self.dequantized_types: set[str] = set()
+        self.quantized_at_load: str | None = None  # the --quantization method, where it applied
 
     def keep_blocks(self, loaded, dest_row: int, row_start: int, rows: int, col_start: int = 0,
                     cols: int | None = None) -> None:
@@ -69,13 +73,24 @@ class LinearBase(nn.Module):
     def _kernel_bias(self) -> torch.Tensor | None:
         return self.bias
 
-    def process_weights_after_loading(self, backend: str, keep_weight: bool = False) -> None:
+    def process_weights_after_loading(self, backend: str, keep_weight: bool = False,
+                                      quantization: str | None = None) -> None:
         """Choose the matmul kernel for the loaded weight; free `weight` when a packed
-        kernel holds it, unless `keep_weight` (it is shared with another module)."""
+        kernel holds it, unless `keep_weight` (it is shared with another module).
+        `quantization` (q8_0, q4_0, q4_1) first rounds the weight to that GGUF type where its
+        input width allows (`quantize_dense`): the dense kernel then multiplies the
+        dequantized values (in the weight's dtype; a shared weight changes for its other
+        user too) and, with backend auto, few rows the blocks."""
         parts, self.gguf_parts = self.gguf_parts, []
         self.quant_kernel = None
+        packed = quantize_dense(self.weight.data, quantization) if quantization else None
+        self.quantized_at_load = quantization if packed is not None else None
+        if packed is not None:
+            self.weight.data.copy_(torch.from_numpy(packed.dequantize()))
         if backend == "auto":
-            self.quant_kernel = QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias())
+            self.quant_kernel = (QuantLinearKernel.from_packed(packed, self.weight.data, self._kernel_bias())
+                                 if packed is not None else
+                                 QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias()))
         # GGUF types this layer serves dequantized only (no quantized kernel for them here)
         self.dequantized_types = {p.loaded.qtype.name for p in parts} if self.quant_kernel is None else set()
         self.kernel = make_linear_kernel(self.weight.data, self._kernel_bias(), backend)

@@ -158,7 +158,7 @@ class ModelRunner:
         if source.path is None:
             initialize_dummy_weights(model, self.server_args.random_seed)
         model.load_weights(source.iterate(show_progress), require_all=source.path is not None)
-        model.process_weights_after_loading(self.server_args.linear_backend)
+        model.process_weights_after_loading(self.server_args.linear_backend, self.server_args.quantization)
         return model.eval()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:

@@ -17,6 +17,7 @@ ends with the same full logits.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Iterable
 
 import torch
@@ -30,6 +31,7 @@ from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPara
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
+from tandem.sglang_flags import QUANTIZE_AT_LOAD
 from tandem.mem_cache.memory_pool import TokenToKVPool
 from tandem.forward_batch import ForwardBatch
 
@@ -180,18 +182,27 @@ class LlamaForCausalLM(nn.Module):
             # One parameter under two names; the checkpoint's lm_head.weight (if any) is skipped.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def process_weights_after_loading(self, linear_backend: str) -> None:
-        """Choose every linear layer's matmul kernel (`--linear-backend`) once loaded."""
+    def process_weights_after_loading(self, linear_backend: str, quantization: str | None = None) -> None:
+        """Choose every linear layer's matmul kernel (`--linear-backend`) once loaded;
+        `--quantization` q8_0/q4_0/q4_1 quantizes each one's weight first, the LM head's
+        too (a tied head's quantized weight is then also the embedding's)."""
+        at_load = quantization if quantization in QUANTIZE_AT_LOAD else None
         dequantized: set[str] = set()
-        for module in self.modules():
-            if isinstance(module, LinearBase):
-                # A tied head shares its weight with the embedding lookup: keep it.
-                keep = module is self.lm_head and self.tie_word_embeddings
-                module.process_weights_after_loading(linear_backend, keep_weight=keep)
-                dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
+        linears = [(name, m) for name, m in self.named_modules() if isinstance(m, LinearBase)]
+        for _, module in linears:
+            # A tied head shares its weight with the embedding lookup: keep it.
+            keep = module is self.lm_head and self.tie_word_embeddings
+            module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load)
+            dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
         if dequantized and linear_backend == "auto":
             logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
                         ", ".join(sorted(dequantized)))
+        if at_load:
+            done = [m for _, m in linears if m.quantized_at_load]
+            dense = sorted({re.sub(r"\.\d+\.", ".*.", name) for name, m in linears if not m.quantized_at_load})
+            logger.info("--quantization %s: %d of %d linear layers quantized (%d on the quantized kernel)%s",
+                        at_load, len(done), len(linears), sum(m.quant_kernel is not None for m in done),
+                        f"; dense (input width not a multiple of 32): {', '.join(dense)}" if dense else "")
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, ctx: ModelContext) -> LogitsProcessorOutput:

@@ -16,6 +16,12 @@ to the 8-bit layout to share one matrix. Where a part has no layout (F16, BF16, 
 type without one), a tensor-parallel column slice does not fall on group boundaries, the
 rows do not cover the whole weight, the weight is not on the CPU or the C++ kernels are
 unavailable, the layer keeps only the dense kernel.
+
+`--quantization q8_0|q4_0|q4_1` gives a Hugging Face checkpoint the same kernel:
+`quantize_dense` rounds a layer's dense weight to that GGUF type with gguf's own numpy
+quantizer (llama.cpp's reference rounding) and repacks the blocks;
+`QuantLinearKernel.from_packed` multiplies them, and the layer's dense weight becomes
+their dequantized values, so that both paths use the same weights.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -62,6 +69,24 @@ class BlockPart:
             return slice_cols(packed, self.col_start, self.cols)
         except ValueError:  # not on group boundaries
             return None
+
+
+# Rows quantized at a time (bounds the float32 copies gguf's quantizer makes of a large head).
+_QUANTIZE_ROWS = 4096
+
+
+def quantize_dense(weight: torch.Tensor, method: str) -> Packed | None:
+    """`weight` [out, in] rounded to the GGUF type `method` names (q8_0, q4_0, q4_1) by
+    `gguf.quants.quantize` from its float32 values, repacked (`Packed.dequantize` equals
+    `gguf.quants.dequantize` of those blocks); None when `in` is not a whole number of the
+    type's blocks (32 columns), where the layer stays dense."""
+    qtype = gguf.GGMLQuantizationType[method.upper()]
+    if weight.dim() != 2 or weight.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return None
+    dense = weight.detach()
+    blocks = np.concatenate([gguf.quants.quantize(dense[i:i + _QUANTIZE_ROWS].float().cpu().numpy(), qtype)
+                             for i in range(0, dense.shape[0], _QUANTIZE_ROWS)])
+    return repack(blocks, qtype, tuple(dense.shape))
 
 
 def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +132,15 @@ class QuantLinearKernel:
             group = min(p.group for p in packs)
             packs = [widen(p, group) for p in packs]
         return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops)
+
+    @classmethod
+    def from_packed(cls, packed: Packed, weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantLinearKernel | None":
+        """The kernel for a dense `weight` quantized at load (`quantize_dense` gave `packed`),
+        or None where the weight is not on the CPU or the C++ kernels are unavailable."""
+        ops = cpu_kernels.load()
+        if ops is None or weight.device.type != "cpu":
+            return None
+        return cls(packed, bias, ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
