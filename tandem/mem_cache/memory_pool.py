@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.kernels import cpu as cpu_kernels
+
 
 class ReqToTokenPool:
     """One row per running request; `req_to_token[row, pos]` is the KV slot of token `pos`."""
@@ -85,5 +87,12 @@ class TokenToKVPool:
             self._free_slots = torch.cat([self._free_slots, slots.to(self._free_slots.device)])
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The tokens' keys and values [n, kv_heads, head_dim] into `slots` of the layer (on CPU
+        in one call of Tandem's C++ `kv_write` where the dtypes already match)."""
+        k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        ops = cpu_kernels.ops_for(k, v, k_buffer)
+        if ops is not None and slots.dtype == torch.int64 and k.stride(-1) == v.stride(-1) == 1:
+            ops.kv_write(k_buffer, v_buffer, slots, k, v)
+            return
         self.k_buffer[layer_id].index_copy_(0, slots, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, slots, v.to(self.dtype))

@@ -41,6 +41,29 @@ def test_kv_set_and_read_back():
     assert TokenToKVPool.bytes_per_token(2, 2, 4, torch.float32) == 2 * 2 * 2 * 4 * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_set_from_qkv_views_equals_index_copy(dtype):
+    """Keys and values as the attention layer passes them (strided views of one QKV output),
+    in the C++ kv_write where the kernels are built, land as index_copy_ puts them; other
+    slots stay untouched; a slot outside the pool is refused."""
+    pool = make_kv(8)
+    pool.k_buffer = [b.to(dtype) for b in pool.k_buffer]
+    pool.v_buffer = [b.to(dtype) for b in pool.v_buffer]
+    pool.dtype = dtype
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    qkv = torch.randn(3, 4 * 4 + 2 * 2 * 4).to(dtype)
+    k = qkv[:, 16:24].view(3, 2, 4)
+    v = qkv[:, 24:].view(3, 2, 4)
+    slots = torch.tensor([5, 2, 7])
+    pool.set_kv(1, slots, k, v)
+    for buf, new, old in ((pool.k_buffer[1], k, before[1]), (pool.v_buffer[1], v, before[3])):
+        expected = old.index_copy(0, slots, new)
+        assert torch.equal(buf, expected)
+    assert torch.equal(pool.k_buffer[0], before[0]) and torch.equal(pool.v_buffer[0], before[2])
+    with pytest.raises((RuntimeError, IndexError)):
+        pool.set_kv(1, torch.tensor([0, 1, 100]), k, v)
+
+
 def test_req_to_token_rows():
     pool = ReqToTokenPool(size=2, max_context_len=16, device="cpu")
     r1, r2 = pool.alloc(), pool.alloc()

@@ -220,9 +220,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
+// k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into
+// one layer of the pool, one call for both (two index_copy_ cost ~10 us a layer at decode).
+// k, v [n, kv_heads, head_dim] (any strides with the head dim contiguous: views of the QKV
+// output), the caches' dtype; slots [n] int64, each a slot of the cache.
+void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  slots.device().is_cpu(), "kv_write: CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k.dim() == 3 && v.dim() == 3 && k.size(0) == slots.numel() && v.size(0) == slots.numel() &&
+                  k.size(1) == k_cache.size(1) && v.size(1) == v_cache.size(1) && k.size(2) == k_cache.size(2) &&
+                  v.size(2) == v_cache.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
+              "kv_write: k, v [n, kv_heads, head_dim] (head dim contiguous) into contiguous caches of that shape");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "kv_write: k and v must have their cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "kv_write: slots must be int64");
+  const auto idx = slots.contiguous();
+  const int64_t* sp = idx.data_ptr<int64_t>();
+  const int64_t n = slots.numel(), capacity = k_cache.size(0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < capacity, "kv_write: slot ", sp[i], " out of range");
+  auto copy = [&](at::Tensor& cache, const at::Tensor& src) {
+    const int64_t heads = src.size(1), row = src.size(2) * src.element_size();
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const char* from = static_cast<const char*>(src.data_ptr());
+    const int64_t s0 = src.stride(0) * src.element_size(), s1 = src.stride(1) * src.element_size();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + (sp[i] * heads + h) * row, from + i * s0 + h * s1, row);
+  };
+  copy(k_cache, k);
+  copy(v_cache, v);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.impl("kv_write", c10::DispatchKey::CPU, &kv_write);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
