@@ -1,4 +1,4 @@
-"""Tandem's C++ CPU kernels (csrc/*_cpu.cpp, sharing csrc/vec.h): built once per machine,
+"""Tandem's C++ CPU kernels (csrc/*_cpu.cpp, sharing csrc/vec.h and csrc/ops.h): built once per machine,
 loaded on demand.
 
 `load()` returns the loaded ops (`torch.ops.tandem_cpu`) or None when they cannot be had
@@ -32,8 +32,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "quant_linear_cpu.cpp")
-HEADERS = (CSRC / "vec.h",)
+SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "quant_linear_cpu.cpp",
+           CSRC / "decode_layer_cpu.cpp")
+HEADERS = (CSRC / "vec.h", CSRC / "ops.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-w")
 NATIVE = "native"  # -march: the build is for this machine's CPU
 

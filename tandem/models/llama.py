@@ -27,7 +27,9 @@ from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
@@ -128,6 +130,32 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode = None  # set by prepare_fused_decode once the weights are loaded
+
+    def prepare_fused_decode(self, tp_size: int) -> None:
+        """`fused_decode`: the weights `tandem_cpu.decode_layer` takes, when it can run this
+        layer (one tensor-parallel rank, every linear quantized, no per-head q/k norm, the
+        C++ kernels built), else None."""
+        self.fused_decode = None
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ops = cpu_kernels.load()
+        if (ops is None or tp_size != 1 or attn.qk_norm or any(m.quant_kernel is None for m in linears)
+                or self.input_layernorm.eps != self.post_attention_layernorm.eps):
+            return
+        weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in (m.quant_kernel for m in linears)]
+        formats = [v for m in linears for v in (m.quant_kernel.bits, m.quant_kernel.group)]
+        self.fused_decode = (ops.decode_layer, weights, formats)
+
+    def forward_fused(self, cos_sin, hidden, residual, fb, ctx, tables):
+        """`forward` of a decode batch in one C++ call (`prepare_fused_decode`; the same
+        kernels in the same order, so the same result)."""
+        op, weights, formats = self.fused_decode
+        attn, layer_id = self.self_attn, self.self_attn.layer_id
+        return op(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                  self.input_layernorm.eps, *weights, formats, cos_sin, ctx.kv_pool.k_buffer[layer_id],
+                  ctx.kv_pool.v_buffer[layer_id], fb.out_cache_loc, *tables, attn.scaling, attn.num_heads,
+                  attn.num_kv_heads)
 
     def forward(self, cos_sin, hidden, residual, fb, ctx):
         """(MLP output, residual): the residual adds happen in the next norm's call
@@ -154,9 +182,25 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, fb, ctx):
         hidden, residual = self.embed_tokens.forward(input_ids), None
         cos_sin = self.rotary_emb.lookup(positions)
+        tables = self._fused_decode_tables(hidden, cos_sin, fb, ctx)
         for layer in self.layers:
-            hidden, residual = layer.forward(cos_sin, hidden, residual, fb, ctx)
+            if tables is not None and layer.fused_decode is not None:
+                hidden, residual = layer.forward_fused(cos_sin, hidden, residual, fb, ctx, tables)
+            else:
+                hidden, residual = layer.forward(cos_sin, hidden, residual, fb, ctx)
         return self.norm.forward(hidden, residual)[0]
+
+
+    @staticmethod
+    def _fused_decode_tables(hidden, cos_sin, fb, ctx):
+        """The attention tables for `LlamaDecoderLayer.forward_fused` when this forward may run
+        its layers so: a plain decode on the C++ CPU kernels, of rows few enough for the
+        quantized matmuls (`QUANT_MAX_ROWS`), the pool, rotation and activations in one dtype."""
+        if fb.batch_size > QUANT_MAX_ROWS or hidden.dim() != 2 or fb.out_cache_loc.dtype != torch.int64:
+            return None
+        if not (hidden.dtype == cos_sin.dtype == ctx.kv_pool.dtype) or not hidden.is_cpu:
+            return None
+        return ctx.attn_backend.cpu_decode_tables(fb)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
             keep = module is self.lm_head and self.tie_word_embeddings
             module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load)
             dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
+        for layer in self.model.layers:
+            layer.prepare_fused_decode(self.model.layers[0].self_attn.qkv_proj.tp_size)
         if dequantized and linear_backend == "auto":
             logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
                         ", ".join(sorted(dequantized)))

@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -181,6 +182,10 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // q [bs, num_heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
 // pool, q's dtype); req_to_token [rows, max_context] int64; req_pool_indices, seq_lens [bs]
 // int64. Returns [bs, num_heads * head_dim] in q's dtype.
@@ -252,12 +257,12 @@ void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   copy(v_cache, v);
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.impl("kv_write", c10::DispatchKey::CPU, &kv_write);
+  m.impl("kv_write", c10::DispatchKey::CPU, &tandem_cpu::kv_write);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
-  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.impl("decode_attention", c10::DispatchKey::CPU, &tandem_cpu::decode_attention);
 }

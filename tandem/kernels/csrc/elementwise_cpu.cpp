@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -174,6 +175,10 @@ void check(const at::Tensor& x, const at::Tensor& other, const char* op) {
               ": expected a 2-D or 3-D tensor with a contiguous last axis");
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // x [rows, width] or [tokens, heads, width]; weight [width], x's dtype. A new contiguous tensor.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight, "rms_norm");
@@ -215,15 +220,15 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin) {
   dispatch(x, "rotary_embedding", [&](auto t) { rotary_impl<decltype(t)>(x, cos_sin); });
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin) -> ()");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
-  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &tandem_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &tandem_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &tandem_cpu::silu_and_mul);
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &tandem_cpu::rotary_embedding);
 }

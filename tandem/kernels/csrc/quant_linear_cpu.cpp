@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -366,6 +367,10 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   });
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
 // [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None. Returns
 // y [R, N] in x's dtype (the float32 sum rounded once).
@@ -428,10 +433,10 @@ std::string quant_linear_isa() {
 #endif
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None) -> Tensor");
-  m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
-  m.def("quant_linear_isa() -> str", &quant_linear_isa);
+  m.impl("quant_linear", c10::DispatchKey::CPU, &tandem_cpu::quant_linear);
+  m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
 }

@@ -38,6 +38,12 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
         return self.forward_extend(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
 
+    def cpu_decode_tables(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
+        """(req_to_token, req_pool_indices, seq_lens) when this forward is a plain decode that
+        Tandem's C++ CPU decode kernel runs (a model may then run whole layers in C++:
+        `tandem_cpu.decode_layer`), else None."""
+        return None
+
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch,
                        scaling: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

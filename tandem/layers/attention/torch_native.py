@@ -130,6 +130,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.forward_extend(q[:split], layer_id, prefill, scaling, num_heads, num_kv_heads, head_dim),
             self.forward_decode(q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim)])
 
+    def cpu_decode_tables(self, fb: ForwardBatch):
+        if self.decode_kernel is None or not fb.forward_mode.is_decode() or fb.is_mixed():
+            return None
+        return self.req_to_token, fb.req_pool_indices, fb.seq_lens
+
     def forward_decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         if self.decode_kernel is not None:
             return self.decode_kernel(q.view(fb.batch_size, num_heads, head_dim), self.kv_pool.k_buffer[layer_id],
