@@ -240,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
             dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
         for layer in self.model.layers:
             layer.prepare_fused_decode(self.model.layers[0].self_attn.qkv_proj.tp_size)
+        self.model.embed_tokens.finish_loading(shared_with_head=self.tie_word_embeddings)
         if dequantized and linear_backend == "auto":
             logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
                         ", ".join(sorted(dequantized)))

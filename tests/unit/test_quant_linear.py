@@ -29,6 +29,7 @@ import torch
 from quant_kernel_checks import TYPES, blocks, check_kernel
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.layers.quantization.gguf_repack import repack
 from tandem.model_executor.gguf_loader import GGUFWeight
@@ -138,3 +139,29 @@ def test_scales_are_float16_where_that_is_exact(name, half):
     assert kernel.scale.dtype == kernel.mn.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_embedding_rows_from_blocks_equal_the_dense_table(name, dtype, tp_rank):
+    """An embedding that keeps its GGUF blocks (untied) frees the dense table and looks up the
+    same values (under TP, rank 1 of 2: its shard's rows; the all-reduce needs a group)."""
+    loaded = gguf_weight(name, 40, 256, seed=3)
+    emb = VocabParallelEmbedding(40, 256) if tp_rank is None else VocabParallelEmbedding(40, 256, tp_rank, 2)
+    emb.weight.data = emb.weight.data.to(dtype)
+    emb.weight_loader(emb.weight, loaded)
+    dense = emb.weight.data.clone()
+    emb.finish_loading(shared_with_head=False)
+    assert emb.rows is not None and emb.weight.numel() == 0
+    ids = torch.tensor([[0, 19, 7], [3, 12, 1]])
+    got = emb.forward(ids) if tp_rank is None else emb._lookup(ids)
+    assert got.dtype == dtype and torch.equal(got, dense[ids])
+
+
+def test_embedding_without_a_layout_keeps_its_table():
+    half = np.random.default_rng(0).standard_normal((40, 256)).astype(np.float16)
+    emb = VocabParallelEmbedding(40, 256)
+    emb.weight_loader(emb.weight, GGUFWeight(half, QT.F16, (40, 256)))
+    emb.finish_loading(shared_with_head=False)
+    assert emb.rows is None and emb.weight.shape == (40, 256)
