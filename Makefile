@@ -71,6 +71,12 @@ browser:
 # stream, Poisson rate, shared prefix); writes docs/benchmarks.md and docs/benchmarks.png.
 # Takes about two hours on 2 cores. BENCH_ARGS="--quick --models 7m" for a smoke run,
 # BENCH_ARGS="--dtypes bfloat16 --workloads a,e" for a subset.
+# GGUF rows (#23): BENCH_ARGS="--gguf" serves the default model's Q4_1 file and the Q4_0, Q8_0, Q4_K_M
+# and BF16 files llama-quantize makes from it (cached in models/gguf-bench) with Tandem, then llama.cpp's
+# llama-server (../shared/peers/setup.sh llamacpp; the run builds llama-quantize in the same build
+# directory when it is missing), plus llama-bench; workloads b, a, e; rewrites its section of
+# docs/benchmarks.md (about 50 minutes on 2 cores). Smoke run:
+# BENCH_ARGS="--gguf --quick --gguf-formats q4_1" (writes /tmp/tandem-bench/gguf.md only).
 BENCH_ARGS ?=
 .PHONY: bench-compare
 bench-compare: install

@@ -30,6 +30,18 @@ applies to the prompts only). Each repeat uses its own seed, so no prompt of one
 in a prefix cache filled by another. Tandem extra: workload d with
 `--disable-radix-cache` against the default, reporting the ratio of prompt tokens
 computed (sum of prompt_tokens - cached_tokens) and of wall time.
+
+GGUF mode (`--gguf`, #23): instead of the presets, the default model's GGUF file
+(--gguf-source) and the files llama-quantize makes from it once (--gguf-formats: Q4_0, Q8_0,
+Q4_K_M, BF16 by default; cached in models/gguf-bench). Per file, one after another:
+llama.cpp's `llama-bench` (raw prefill / decode tok/s), Tandem with default flags, Tandem
+with `--linear-backend torch` (bf16, dequantized; on --gguf-dequant files), and llama.cpp's
+`llama-server` (`/v1/completions` with `ignore_eos` and `logit_bias` on the EOS ids), on
+workloads b, a and e. A full run rewrites its generated section of docs/benchmarks.md
+(between GGUF_DOC_BEGIN and GGUF_DOC_END; a smoke run only writes --out):
+
+    .venv/bin/python benchmarks/compare.py --gguf                                     # ~50 min
+    .venv/bin/python benchmarks/compare.py --gguf --quick --gguf-formats q4_1         # smoke
 """
 
 from __future__ import annotations
@@ -70,10 +82,14 @@ from tandem.utils.process import free_port, pid_alive  # noqa: E402
 ENGINES = ("tandem", "vllm", "sglang", "hf")
 PEER_ENGINES = ("vllm", "sglang")
 NORADIX = "tandem-noradix"  # Tandem with --disable-radix-cache, workload d only
+DEQUANT = "tandem-dequant"  # GGUF mode: Tandem with --linear-backend torch (weights dequantized to bf16)
+LLAMACPP = "llamacpp"  # GGUF mode: llama.cpp's llama-server
 ENGINE_LABELS = {"tandem": "Tandem", "vllm": "vLLM", "sglang": "SGLang", "hf": "HF transformers",
-                 NORADIX: "Tandem --disable-radix-cache"}
-BACKENDS = {"tandem": "tandem", NORADIX: "tandem", "sglang": "sglang", "vllm": "vllm"}
-START_TIMEOUT = {"tandem": 300.0, NORADIX: 300.0, "sglang": 600.0, "vllm": 900.0}
+                 NORADIX: "Tandem --disable-radix-cache", DEQUANT: "Tandem --linear-backend torch (bf16, dequantized)",
+                 LLAMACPP: "llama.cpp llama-server"}
+BACKENDS = {"tandem": "tandem", NORADIX: "tandem", "sglang": "sglang", "vllm": "vllm", DEQUANT: "tandem",
+            LLAMACPP: "openai"}
+START_TIMEOUT = {"tandem": 300.0, NORADIX: 300.0, "sglang": 600.0, "vllm": 900.0, DEQUANT: 300.0, LLAMACPP: 120.0}
 DEFAULT_RATES = {"7m": 4.0, "100m": 1.5}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # --dtypes value -> short name in a row's model label
 THROUGHPUT_WORKLOADS = ("a", "e", "d", "b")  # workloads whose output tok/s is compared with the best peer
@@ -252,12 +268,18 @@ def _on_signal(signum: int, _frame: Any) -> None:
 def server_command(engine: str, model_dir: Path, port: int, dtype: str,
                    args: argparse.Namespace) -> tuple[list[str], dict]:
     env = dict(os.environ)
-    if engine in ("tandem", NORADIX):
+    if engine in ("tandem", NORADIX, DEQUANT):
         cmd = [sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_dir), "--port", str(port),
-               "--dtype", dtype, "--log-level", "warning"]
+               "--log-level", "warning"]
+        if dtype != "auto":  # GGUF mode: Tandem's own default dtype
+            cmd += ["--dtype", dtype]
         if engine == NORADIX:
             cmd.append("--disable-radix-cache")
+        if engine == DEQUANT:
+            cmd += ["--linear-backend", "torch"]
         return cmd, env
+    if engine == LLAMACPP:
+        return llama_server_command(model_dir, port, args), env
     env["PEERS_DIR"] = str(args.peers_dir)
     if engine == "vllm" and args.vllm_all_cores:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
@@ -281,8 +303,10 @@ def engine_available(engine: str, args: argparse.Namespace) -> str | None:
 
 
 def engine_version(engine: str, args: argparse.Namespace) -> str:
-    if engine in ("tandem", NORADIX):
+    if engine in ("tandem", NORADIX, DEQUANT):
         return "this checkout (" + _git_rev() + ")"
+    if engine in (LLAMACPP, LLAMA_BENCH):
+        return llamacpp_version(args)
     if engine == "hf":
         import transformers
         import torch
@@ -321,11 +345,13 @@ async def _server_model_name(client: httpx.AsyncClient, backend: str, base_url: 
 
 
 async def _http_run(backend: str, base_url: str, requests: list[BenchRequest], warmup: list[BenchRequest],
-                    rate: float, max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+                    rate: float, max_concurrency: int | None, seed: int,
+                    extra: dict[str, Any] | None = None) -> tuple[list[RequestResult], float]:
+    """`extra`: fields added to every request body (llama-server's `logit_bias`)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=60.0), trust_env=False) as client:
         model = await _server_model_name(client, backend, base_url)
-        target = bench_serving.make_target(backend, base_url, model, {})
+        target = bench_serving.make_target(backend, base_url, model, dict(extra or {}))
         if warmup:
             results, _ = await bench_serving.run_requests(client, target, warmup, math.inf, None, seed)
             bad = [r.error for r in results if not r.success]
@@ -337,23 +363,26 @@ async def _http_run(backend: str, base_url: str, requests: list[BenchRequest], w
 
 
 def run_http_workload(backend: str, base_url: str, workload: Workload, space: TokenSpace,
-                      seed: int) -> dict[str, Any]:
+                      seed: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     requests = workload.requests(space, seed)
     # One warm-up request of its own (another seed), so prefix caches gain nothing from it.
     warm = generate_random_requests(1, 32, 8, 1.0, space, seed=seed + 7919)
     results, duration = asyncio.run(_http_run(backend, base_url, requests, warm, workload.request_rate,
-                                              workload.max_concurrency, seed))
+                                              workload.max_concurrency, seed, extra))
     metrics = compute_metrics(results, duration)
     metrics["errors"] = sorted({r.error for r in results if not r.success})[:3]
+    # Requests that completed with another number of tokens than asked (EOS not ignored, or a
+    # stream the client counted wrongly): every engine must do the same work.
+    metrics["wrong_length"] = sum(1 for r, q in zip(results, requests) if r.success and r.output_len != q.output_len)
     return metrics
 
 
-def warm_up_server(backend: str, base_url: str, space: TokenSpace) -> None:
+def warm_up_server(backend: str, base_url: str, space: TokenSpace, extra: dict[str, Any] | None = None) -> None:
     """Once per server start: 16 concurrent short requests, then one alone (first-batch
     compilation and allocation happen here, not in the measured runs)."""
     burst = generate_random_requests(16, 64, 16, 0.5, space, seed=424242)
-    asyncio.run(_http_run(backend, base_url, [], burst, math.inf, None, 1))
-    asyncio.run(_http_run(backend, base_url, [], burst[:1], math.inf, None, 1))
+    asyncio.run(_http_run(backend, base_url, [], burst, math.inf, None, 1, extra))
+    asyncio.run(_http_run(backend, base_url, [], burst[:1], math.inf, None, 1, extra))
 
 
 # ---- HF transformers, in-process ---------------------------------------------------
@@ -469,15 +498,21 @@ def _summary(row: dict[str, Any]) -> str:
         return f"{row.get('status')}: {row.get('error', '')[:200]}"
     return (f"out {row['output_throughput']:.1f} tok/s, total {row['total_throughput']:.1f} tok/s, "
             f"TTFT med {row['median_ttft_ms']:.1f} ms, TPOT med {row['median_tpot_ms']:.2f} ms, "
-            f"{row['completed']} ok / {row['failed']} failed, {row['duration']:.1f} s")
+            f"{row['completed']} ok / {row['failed']} failed, {row['duration']:.1f} s"
+            + (f", {row['wrong_length']} of another output length" if row.get("wrong_length") else "")
+            + (f"; first error: {row['errors'][0][:200]}" if row.get("errors") else ""))
 
 
 def run_engine(engine: str, model: str, dtype: str, model_dir: Path, workloads: list[Workload], plan: Plan,
-               args: argparse.Namespace, rows: list[dict[str, Any]], run_id: str) -> None:
-    """`model`: the row label (preset and dtype, `model_label`)."""
-    space = load_token_space(str(model_dir))
+               args: argparse.Namespace, rows: list[dict[str, Any]], run_id: str, space: TokenSpace | None = None,
+               extra: dict[str, Any] | None = None, base_extra: dict[str, Any] | None = None) -> None:
+    """`model`: the row label (preset and dtype, `model_label`; in GGUF mode the file's format).
+    `space`: the prompts' token space (default: the model's); `extra`: fields added to every
+    request body; `base_extra`: fields added to every row."""
+    space = space if space is not None else load_token_space(str(model_dir))
     base = {"run_id": run_id, "engine": engine, "model": model, "dtype": dtype, "model_dir": str(model_dir),
-            "quick": args.quick, "command": args.command, "version": engine_version(engine, args)}
+            "quick": args.quick, "command": args.command, "version": engine_version(engine, args),
+            **(base_extra or {})}
     runner: Callable[[Workload, int], dict[str, Any]]
     server: Server | None = None
     hf: HFRunner | None = None
@@ -494,8 +529,9 @@ def run_engine(engine: str, model: str, dtype: str, model_dir: Path, workloads: 
                             port)
             ready = server.wait_ready(START_TIMEOUT[engine] * args.start_timeout_scale)
             print(f"[compare] {engine} on {model}: ready after {ready:.0f} s (log {server.log_path})", flush=True)
-            warm_up_server(BACKENDS[engine], server.base_url, space)
-            runner = lambda w, seed: run_http_workload(BACKENDS[engine], server.base_url, w, space, seed)  # noqa
+            warm_up_server(BACKENDS[engine], server.base_url, space, extra)
+            runner = lambda w, seed: run_http_workload(BACKENDS[engine], server.base_url, w, space, seed,  # noqa
+                                                       extra)
         for rep in range(plan.repeats):
             for w in workloads:
                 seed = args.seed + 1000 * (ord(w.key) - ord("a")) + rep
@@ -751,9 +787,32 @@ def machine_info() -> list[str]:
                      + (f", virtualized ({hyper})" if hyper else ""))
     except (OSError, subprocess.TimeoutExpired):
         lines.append(f"CPU: {os.cpu_count()} cores")
+    features = cpu_features()
+    if features:
+        lines.append(features)
     lines.append(f"RAM: {psutil.virtual_memory().total / 2**30:.0f} GiB; no GPU; {platform.system()} "
                  f"{platform.release()}; Python {platform.python_version()}")
     return lines
+
+
+CPU_FEATURES = (("AVX2", "avx2"), ("AVX-512F", "avx512f"), ("AVX-512 VNNI", "avx512_vnni"),
+                ("AVX-512 BF16", "avx512_bf16"), ("AVX-VNNI", "avx_vnni"), ("AMX", "amx_tile"))
+
+
+def cpu_features() -> str:
+    """The SIMD extensions the kernels choose from, as /proc/cpuinfo lists them ("" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+    flags = set(line.partition(":")[2].split())
+    if not flags:
+        return ""
+    amx = [f for f in ("amx_tile", "amx_int8", "amx_bf16", "amx_fp16") if f in flags]
+    return ("SIMD (/proc/cpuinfo flags): " + ", ".join(f"{name} {'yes' if flag in flags else 'no'}"
+                                                      for name, flag in CPU_FEATURES)
+            + (f" ({', '.join(amx)})" if amx else ""))
 
 
 def command_line(argv: list[str]) -> str:
@@ -849,6 +908,495 @@ def print_console(rows: list[dict[str, Any]], plan: Plan) -> None:
                       f"{r[1]:.0f}, Tandem / best peer = {r[3]:.2f}x", flush=True)
 
 
+# ---- GGUF mode: Tandem and llama.cpp on the same GGUF files ---------------------------
+LLAMA_BENCH = "llama-bench"  # llama.cpp's raw prefill / decode speed (no server)
+GGUF_ENGINES = ("tandem", DEQUANT, LLAMACPP, LLAMA_BENCH)
+ENGINE_LABELS[LLAMA_BENCH] = "llama.cpp llama-bench"
+# --gguf-formats value -> llama-quantize's type name (also the file's label in the tables)
+GGUF_FORMATS = {"q4_1": "Q4_1", "q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "bf16": "BF16",
+                "q5_0": "Q5_0", "q5_1": "Q5_1", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "f16": "F16"}
+DEFAULT_GGUF_FORMATS = ["q4_1", "q4_0", "q8_0", "q4_k_m", "bf16"]
+DEFAULT_GGUF_WORKLOADS = ["a", "b", "e"]
+DEFAULT_GGUF_SOURCE = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_GOAL_FORMATS = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M")  # the files issue #23's targets name
+GGUF_BENCH_LEN = 128  # llama-bench -p / -n
+LLAMA_SERVER_SLOTS, LLAMA_SERVER_CTX = 64, 65536  # -np / -c: 1024 tokens per slot
+GGUF_DOC_BEGIN = "<!-- BEGIN benchmarks/compare.py --gguf: generated, rerun it rather than editing this section -->"
+GGUF_DOC_END = "<!-- END benchmarks/compare.py --gguf -->"
+
+
+def _gguf_int(reader: Any, key: str) -> int | None:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    return int(field.parts[field.data[0]][0])
+
+
+def gguf_file_info(path: Path) -> dict[str, Any]:
+    """Format (from `general.file_type`), size, tensor type counts and end-of-generation ids."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    ftype = _gguf_int(reader, "general.file_type")
+    try:
+        fmt = gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_") if ftype is not None else "?"
+    except ValueError:
+        fmt = f"file_type {ftype}"
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        name = gguf.GGMLQuantizationType(t.tensor_type).name
+        types[name] = types.get(name, 0) + 1
+    eos = [i for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if (i := _gguf_int(reader, key)) is not None]
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    return {"format": fmt, "size_mib": path.stat().st_size / 2**20, "types": dict(sorted(types.items(), key=lambda kv: -kv[1])),
+            "eos_ids": sorted(set(eos)), "params": params}
+
+
+def _gguf_stem(src: Path, fmt: str) -> str:
+    name = src.name.removesuffix(".gguf")
+    return name[: -len(fmt) - 1] if name.lower().endswith("." + fmt.lower()) else name
+
+
+def prepare_gguf_files(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The source file and, made once from it with llama-quantize (cached in --gguf-dir), the
+    other --gguf-formats; one info dict per format (`gguf_file_info` + label, path, made_by)."""
+    src = args.gguf_source
+    if not src.is_file():
+        raise SystemExit(f"--gguf-source: {src} not found (`make install` fetches the default model)")
+    src_info = gguf_file_info(src)
+    stem = _gguf_stem(src, src_info["format"])
+    quantize = args.llamacpp_bin / "llama-quantize"
+    files = []
+    for fmt in args.gguf_formats:
+        label = GGUF_FORMATS[fmt]
+        if label == src_info["format"]:
+            files.append({**src_info, "label": label, "path": str(src), "made_by": "source"})
+            continue
+        path = args.gguf_dir / f"{stem}.{label}.gguf"
+        made_by = f"llama-quantize --allow-requantize {src.name} {path.name} {label}"
+        if not (path.is_file() and path.stat().st_mtime >= src.stat().st_mtime):
+            if not quantize.exists():
+                build_llama_quantize(args)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            log = args.log_dir / f"quantize-{label}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            print(f"[compare] making {path} ({made_by}; log {log})", flush=True)
+            with open(log, "w") as f:
+                res = subprocess.run([str(quantize), "--allow-requantize", str(src), str(tmp), label,
+                                      str(args.threads)], stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+            if res.returncode != 0 or not tmp.is_file():
+                tmp.unlink(missing_ok=True)
+                raise SystemExit(f"llama-quantize to {label} failed (exit {res.returncode}); see {log}")
+            os.replace(tmp, path)
+        info = gguf_file_info(path)
+        files.append({**info, "label": label, "path": str(path), "made_by": made_by})
+    return files
+
+
+def build_llama_quantize(args: argparse.Namespace) -> None:
+    """../shared/peers/setup.sh llamacpp builds llama-server and llama-bench; llama-quantize is one
+    more target of the same build directory (about a minute: the libraries are built)."""
+    build = args.llamacpp_bin.parent
+    if not (build / "CMakeCache.txt").is_file():
+        raise SystemExit(f"{args.llamacpp_bin / 'llama-quantize'} not found and {build} is no llama.cpp build "
+                         "directory: run ../shared/peers/setup.sh llamacpp first")
+    log = args.log_dir / "build-llama-quantize.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[compare] building llama-quantize in {build} (log {log})", flush=True)
+    with open(log, "w") as f:
+        res = subprocess.run(["cmake", "--build", str(build), "--target", "llama-quantize", f"-j{args.threads}"],
+                             stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+    if res.returncode != 0 or not (args.llamacpp_bin / "llama-quantize").exists():
+        raise SystemExit(f"building llama-quantize failed (exit {res.returncode}); see {log}")
+
+
+def llama_server_command(path: Path, port: int, args: argparse.Namespace) -> list[str]:
+    t = str(args.threads)
+    return [str(args.llamacpp_bin / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
+            "-a", "m", "-t", t, "-tb", t, "-np", str(LLAMA_SERVER_SLOTS), "-c", str(LLAMA_SERVER_CTX)]
+
+
+def llama_bench_command(path: str, args: argparse.Namespace) -> list[str]:
+    return [str(args.llamacpp_bin / "llama-bench"), "-m", path, "-t", str(args.threads), "-p", str(GGUF_BENCH_LEN),
+            "-n", str(GGUF_BENCH_LEN), "-r", str(args.repeats), "-o", "json"]
+
+
+_LLAMACPP_VERSION: dict[str, str] = {}
+
+
+def llamacpp_version(args: argparse.Namespace) -> str:
+    """`llama-server --version`, where its sources came from and the SIMD options it was built with."""
+    key = str(args.llamacpp_bin)
+    if key in _LLAMACPP_VERSION:
+        return _LLAMACPP_VERSION[key]
+    parts = []
+    try:
+        res = subprocess.run([str(args.llamacpp_bin / "llama-server"), "--version"], capture_output=True, text=True,
+                             timeout=30)
+        first = next((ln.strip() for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "")
+        parts.append("llama-server " + first.removeprefix("version: ") if first else "llama-server")
+    except (OSError, subprocess.TimeoutExpired):
+        parts.append("llama-server (version unknown)")
+    sdists = sorted((args.peers_dir / "dl").glob("llama_cpp_python-*.tar.gz"))
+    if sdists:
+        parts.append("sources vendored by " + sdists[-1].name.removesuffix(".tar.gz").replace("_", "-", 2))
+    cache = args.llamacpp_bin.parent / "CMakeCache.txt"
+    if cache.is_file():
+        on = [line.split(":", 1)[0].removeprefix("GGML_") for line in cache.read_text(errors="replace").splitlines()
+              if line.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AMX", "GGML_NATIVE"))
+              and line.endswith("=ON")]
+        parts.append("built with " + (", ".join(on) or "no SIMD option") + " ON")
+    _LLAMACPP_VERSION[key] = "; ".join(parts)
+    return _LLAMACPP_VERSION[key]
+
+
+def gguf_engine_available(engine: str, args: argparse.Namespace) -> str | None:
+    binary = {LLAMACPP: "llama-server", LLAMA_BENCH: "llama-bench"}.get(engine)
+    if binary and not (args.llamacpp_bin / binary).exists():
+        return f"{args.llamacpp_bin / binary} not found (build it with ../shared/peers/setup.sh llamacpp)"
+    return None
+
+
+def run_llama_bench(info: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
+                    base: dict[str, Any]) -> None:
+    cmd = llama_bench_command(info["path"], args)
+    row = {**base, "engine": LLAMA_BENCH, "kind": LLAMA_BENCH, "workload": None, "timestamp": time.time(),
+           "loadavg_1m": os.getloadavg()[0], "bench_command": " ".join(cmd), "version": llamacpp_version(args)}
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if res.returncode != 0:
+            raise RuntimeError(f"exit {res.returncode}: {res.stderr.strip()[-500:]}")
+        for entry in json.loads(res.stdout):
+            key = "tg" if entry.get("n_gen") else "pp"
+            row[f"{key}_tok_s"] = float(entry["avg_ts"])
+            row[f"{key}_stddev"] = float(entry.get("stddev_ts") or 0.0)
+        row["status"] = "ok" if "pp_tok_s" in row and "tg_tok_s" in row else "failed"
+        print(f"[compare] {info['label']} llama-bench: prompt {row.get('pp_tok_s', 0):.0f} tok/s, "
+              f"generation {row.get('tg_tok_s', 0):.1f} tok/s", flush=True)
+    except Exception as e:  # noqa: BLE001 - record it and go on
+        row.update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
+        print(f"[compare] {info['label']} llama-bench FAILED: {row['error'][:300]}", flush=True)
+    _emit(row, rows, args.results_jsonl)
+
+
+def run_gguf(plan: Plan, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per file: llama-bench, then each server one after another on that file."""
+    rows: list[dict[str, Any]] = []
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    args.results_jsonl.parent.mkdir(parents=True, exist_ok=True)
+    args.results_jsonl.write_text("")
+    files = prepare_gguf_files(args)
+    for f in files:
+        _emit({"run_id": run_id, "kind": "gguf-file", "engine": None, "workload": None, "status": "ok",
+               "quick": args.quick, "command": args.command, "timestamp": time.time(), **f}, rows, args.results_jsonl)
+        types = ", ".join(f"{t} {n}" for t, n in f["types"].items())
+        print(f"[compare] {f['label']}: {f['path']} ({f['size_mib']:.1f} MiB; {types})", flush=True)
+    # The same prompts for every file and engine: the source's token space.
+    space = load_token_space(str(args.gguf_source))
+    workloads = make_workloads(args.quick, 1.0)
+    selected = [workloads[k] for k in plan.workloads]
+    for f in files:
+        base = {"run_id": run_id, "mode": "gguf", "format": f["label"], "file": f["path"], "quick": args.quick,
+                "command": args.command}
+        if LLAMA_BENCH in plan.engines:
+            run_llama_bench(f, args, rows, {**base, "model": f["label"]})
+        for engine in plan.engines:
+            if engine == LLAMA_BENCH or (engine == DEQUANT and f["label"] not in args.gguf_dequant):
+                continue
+            extra = None
+            if engine == LLAMACPP:  # ignore_eos is sent too; the bias is what ../shared/peers/README.md names
+                extra = {"logit_bias": {str(i): -100 for i in f["eos_ids"]}}
+            run_engine(engine, f["label"], "auto", Path(f["path"]), selected, plan, args, rows, run_id, space=space,
+                       extra=extra, base_extra={"mode": "gguf", "format": f["label"], "file": f["path"]})
+    return rows
+
+
+def _med(agg: dict, label: str, engine: str, workload: str, metric: str = "output_throughput") -> float | None:
+    v = agg.get((label, engine, workload), {}).get(metric)
+    return v[0] if v else None
+
+
+def _bf16_reference(agg: dict, labels: list[str], workload: str) -> tuple[float, str] | None:
+    """Tandem's best output tok/s with bf16 weights on `workload`: the BF16 file with default
+    flags, or any file dequantized (--linear-backend torch)."""
+    cands = [(v, f"{l} file, --linear-backend torch") for l in labels if (v := _med(agg, l, DEQUANT, workload))]
+    if (v := _med(agg, "BF16", "tandem", workload)) is not None:
+        cands.append((v, "BF16 file"))
+    return max(cands) if cands else None
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts))
+
+
+def render_gguf(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan) -> str:
+    """The GGUF section of docs/benchmarks.md (between GGUF_DOC_BEGIN and GGUF_DOC_END)."""
+    agg = aggregate(rows)
+    files = [r for r in rows if r.get("kind") == "gguf-file"]
+    benches = {r["format"]: r for r in rows if r.get("kind") == LLAMA_BENCH}
+    labels = [f["label"] for f in files]
+    all_workloads = make_workloads(args.quick, 1.0)
+    workloads = {k: all_workloads[k] for k in "baecd" if k in plan.workloads}  # one stream first
+    stamps = [r["timestamp"] for r in rows if r.get("timestamp")]
+    smoke = args.quick or plan.repeats < 3
+    rev = next((r["version"] for r in rows if r.get("engine") == "tandem" and r.get("version")),
+               "this checkout (" + _git_rev() + ")")
+    rev = rev[rev.find("(") + 1:rev.rfind(")")] if "(" in rev else rev
+    out = [GGUF_DOC_BEGIN, "## GGUF side by side: Tandem and llama.cpp on the same files (#23)", ""]
+    if smoke:
+        out += ["> **SMOKE RUN** (`--quick`, or fewer than 3 repeats): fewer prompts and repeats than the full run;",
+                "> these numbers only show that every engine runs and is parsed. Do not read them as results.", ""]
+    when = f"{_utc(min(stamps))}-{time.strftime('%H:%M', time.gmtime(max(stamps)))} UTC" if stamps else "?"
+    out += [f"Measured {when} by `benchmarks/compare.py --gguf`; Tandem at commit {rev}.", "",
+            "```bash", args.command,
+            "# = make bench-compare BENCH_ARGS=\"--gguf\" for the full run (3 repeats; this section is rewritten)",
+            "```", "", "Machine:", ""]
+    out += [f"- {line}" for line in machine_info()]
+    versions = {}
+    for r in rows:
+        if r.get("engine") in (LLAMACPP, LLAMA_BENCH) and r.get("version"):
+            versions.setdefault("llama.cpp", r["version"])
+    for name, v in versions.items():
+        out.append(f"- {name}: {v}")
+    for e, why in plan.skipped.items():
+        out.append(f"- {ENGINE_LABELS.get(e, e)}: not run ({why})")
+    loads = [r["loadavg_1m"] for r in rows if r.get("loadavg_1m") is not None]
+    if loads:
+        out.append(f"- 1-minute load average at the start of each run: {min(loads):.2f} to {max(loads):.2f} "
+                   f"(median {statistics.median(loads):.2f}; the benchmark itself adds up to ~1)")
+    out += ["", "### Files", "", "| file | made by | MiB | tensor types |", "|---|---|---|---|"]
+    for f in files:
+        types = ", ".join(f"{t} {n}" for t, n in f["types"].items())
+        made = "the source file" if f["made_by"] == "source" else f"`{f['made_by']}`"
+        out.append(f"| {f['label']} `{Path(f['path']).name}` | {made} | {f['size_mib']:.1f} | {types} |")
+    src = next((f for f in files if f["made_by"] == "source"), None)
+    notes = []
+    if any(f["made_by"] != "source" for f in files):
+        notes.append(f"The other files are made once from `{args.gguf_source.name}` with llama-quantize (cached in "
+                     f"`{args.gguf_dir}`, not committed). llama-quantize dequantizes the source's blocks to float32 "
+                     "and quantizes those values again: Q4_0 and Q4_K_M are *requantized* from the 4-bit Q4_1 values "
+                     "(their error adds to Q4_1's), while Q8_0 and BF16 hold the Q4_1 values almost exactly. The files "
+                     "measure speed on the same model, not the quality of each format.")
+    if any(f["label"].endswith(("_K_M", "_K_S", "_K")) for f in files):
+        notes.append("K-quant blocks span 256 values: llama-quantize gives rows whose length is not a multiple "
+                     "of 256 another type (a fallback it reports), so the tensor types column says what a K file "
+                     "actually holds.")
+    for note in notes:
+        out += ["", note]
+    out += ["", "### Method", "",
+            f"- For each file one engine after another: llama-bench, then Tandem, then llama-server (and Tandem "
+            f"`--linear-backend torch` on {', '.join(args.gguf_dequant) or 'no file'}). Each server is started, "
+            "waited for (`GET /health`), warmed up (16 concurrent short requests, then one), run through every "
+            "workload `--repeats` times and stopped before the next starts.",
+            "- Tandem: `python -m tandem.launch_server --model-path FILE --port P --log-level warning`, every "
+            "other flag at its default (dtype auto = bfloat16 on CPU; quantized kernels for the types it has).",
+            "- Tandem's bf16 rows: the BF16 file with default flags (the weights as bf16, oneDNN), and "
+            "`--linear-backend torch` on a quantized file (dequantized to bf16 at load, `F.linear`).",
+            "- llama.cpp: `" + " ".join(["llama-server", *llama_server_command(Path("FILE"), 0, args)[1:]])
+            .replace("--port 0", "--port P") + "`; raw speed `"
+            + " ".join(["llama-bench", *llama_bench_command("FILE", args)[1:]]) + "`.",
+            "- Requests (`tandem.bench_serving`, in-process): token-id prompts, the same ones for every engine and "
+            "file (seeded, from the source file's vocabulary), greedy, streamed, fixed output length: Tandem's "
+            "native `POST /generate` with `ignore_eos`; llama-server's `POST /v1/completions` with `ignore_eos` "
+            "and `logit_bias` -100 on the end-of-generation ids. Output tokens are counted from the server "
+            "(`meta_info` / `usage`); the last column of the detailed table says how many requests returned "
+            "another length than asked (0 expected).",
+            "- Medians of the repeats, min-max in parentheses. Output tok/s = generated tokens / run duration; "
+            "TTFT = first streamed token - send; TPOT = (E2E - TTFT) / (output tokens - 1).",
+            "", "| key | workload | bench_serving flags of the same prompts |", "|---|---|---|"]
+    for key, w in workloads.items():
+        out.append(f"| {key} | {w.title} | `{w.bench_serving_flags()}` |")
+    # ---- the ratios
+    single, many = "b" in workloads, [k for k in ("a", "e") if k in workloads]
+    if any((l, LLAMACPP, k) in agg and (l, "tandem", k) in agg for l in labels for k in workloads):
+        head = ["file"]
+        if single:
+            head += ["(b) 1 stream tok/s, Tandem / llama.cpp", "ratio", "(b) median TTFT ms, Tandem / llama.cpp"]
+        for k in many:
+            head += [f"({k}) {workloads[k].max_concurrency} concurrent tok/s, Tandem / llama.cpp", "ratio",
+                     "Tandem / Tandem bf16"]
+        head.append("#23 targets")
+        out += ["", "### Tandem / llama.cpp on the same file", "",
+                "Targets of #23 (Q4_1, Q4_0, Q8_0, Q4_K_M): one stream at least 1.2x llama.cpp with a median TTFT no "
+                "worse; 16 and 64 concurrent at least 2x llama.cpp and no worse than Tandem's best bf16 row "
+                "(below).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for l in labels:
+            cells, missed, checked = [l], [], False
+            if single:
+                t, c = _med(agg, l, "tandem", "b"), _med(agg, l, LLAMACPP, "b")
+                tt, ct = _med(agg, l, "tandem", "b", "median_ttft_ms"), _med(agg, l, LLAMACPP, "b", "median_ttft_ms")
+                cells += [_pair(t, c, 1), _ratio(t, c), _pair(tt, ct, 1)]
+                if t and c:
+                    checked = True
+                    if t < 1.2 * c:
+                        missed.append("1 stream < 1.2x")
+                    if tt is not None and ct is not None and tt > ct:
+                        missed.append("TTFT")
+            for k in many:
+                t, c = _med(agg, l, "tandem", k), _med(agg, l, LLAMACPP, k)
+                ref = _bf16_reference(agg, labels, k)
+                cells += [_pair(t, c, 0), _ratio(t, c), _ratio(t, ref[0], bold=False) if ref else "-"]
+                if t and c:
+                    checked = True
+                    if t < 2 * c:
+                        missed.append(f"{workloads[k].max_concurrency} concurrent < 2x")
+                    if ref and t < ref[0]:
+                        missed.append(f"{workloads[k].max_concurrency} concurrent < bf16")
+            goal = "-" if l not in GGUF_GOAL_FORMATS or not checked else (
+                "met" if not missed else "not met: " + ", ".join(missed))
+            bad = sum(r.get("wrong_length", 0) + r.get("failed", 0) for r in rows
+                      if r.get("format") == l and r.get("engine") in ("tandem", LLAMACPP) and r.get("workload"))
+            if bad:
+                goal += f" ({bad} request(s) failed or of another length: not comparable)"
+            cells.append(goal)
+            out.append("| " + " | ".join(cells) + " |")
+        refs = [(k, r) for k in many if (r := _bf16_reference(agg, labels, k))]
+        if refs:
+            out += ["", "Tandem bf16 reference: " + "; ".join(f"({k}) {r[0]:.0f} tok/s ({r[1]})" for k, r in refs)
+                    + "."]
+    # ---- every engine
+    if any(key[0] in labels for key in agg):
+        head = ["file", "engine"]
+        for k in workloads:
+            head += [f"({k}) output tok/s", f"({k}) median TTFT ms", f"({k}) median TPOT ms"]
+        head.append("requests: ok / failed / other length")
+        out += ["", "### Every engine and file", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for l in labels:
+            for e in ("tandem", DEQUANT, LLAMACPP):
+                entries = [agg[(l, e, k)] for k in workloads if (l, e, k) in agg]
+                if not entries:
+                    continue
+                cells = [l, ENGINE_LABELS[e]]
+                for k in workloads:
+                    entry = agg.get((l, e, k), {})
+                    cells += [_fmt(entry.get("output_throughput"), 1 if k == "b" else 0),
+                              _fmt(entry.get("median_ttft_ms"), 1 if k == "b" else 0),
+                              _fmt(entry.get("median_tpot_ms"), 2)]
+                ok = [r for r in rows if r.get("format") == l and r.get("engine") == e and r.get("workload")]
+                done = sum(r.get("completed", 0) for r in ok)
+                failed = sum(r.get("failed", 0) for r in ok) + sum(1 for r in ok if r.get("status") == "error")
+                wrong = sum(r.get("wrong_length", 0) for r in ok)
+                cells.append(f"{done} / {failed} / {wrong}")
+                out.append("| " + " | ".join(cells) + " |")
+    # ---- llama-bench
+    if benches:
+        out += ["", f"### llama-bench (`-t {args.threads} -p {GGUF_BENCH_LEN} -n {GGUF_BENCH_LEN} "
+                f"-r {plan.repeats}`: mean ± standard deviation)", "",
+                f"| file | prompt {GGUF_BENCH_LEN} tok/s (pp{GGUF_BENCH_LEN}) | "
+                f"generation tok/s (tg{GGUF_BENCH_LEN}) |", "|---|---|---|"]
+        for l in labels:
+            b = benches.get(l)
+            if b is None:
+                continue
+            if b.get("status") != "ok":
+                out.append(f"| {l} | {b.get('status')}: {b.get('error', '')[:150]} | |")
+                continue
+            out.append(f"| {l} | {b['pp_tok_s']:.0f} ± {b['pp_stddev']:.0f} | {b['tg_tok_s']:.1f} ± "
+                       f"{b['tg_stddev']:.1f} |")
+    errors = [f"- {ENGINE_LABELS.get(r.get('engine'), r.get('engine'))} on {r.get('model')}"
+              + (f" ({r['workload']})" if r.get("workload") else "") + f": {r['error'].splitlines()[0][:300]}"
+              for r in rows if r.get("status") == "error" and r.get("error") and r.get("kind") != LLAMA_BENCH]
+    errors += [f"- {ENGINE_LABELS.get(e, e)} on {m} ({k}): {err[:300]}"
+               for (m, e, k), entry in agg.items() for err in entry.get("errors", [])[:2]
+               if entry.get("failed_requests")]
+    if errors:
+        out += ["", "### Errors", "", *dict.fromkeys(errors)]
+    out += ["", GGUF_DOC_END]
+    return "\n".join(out) + "\n"
+
+
+def _pair(a: float | None, b: float | None, digits: int) -> str:
+    return f"{a:.{digits}f} / {b:.{digits}f}" if a is not None and b is not None else "-"
+
+
+def _ratio(a: float | None, b: float | None, bold: bool = True) -> str:
+    if not a or not b:
+        return "-"
+    return f"**{a / b:.2f}x**" if bold else f"{a / b:.2f}x"
+
+
+def splice_doc(doc: Path, section: str) -> str:
+    """Replace the generated GGUF section of `doc` (or insert it before the first '## GGUF'
+    heading, else at the end); return where it went."""
+    text = doc.read_text() if doc.exists() else ""
+    begin, end = text.find(GGUF_DOC_BEGIN), text.find(GGUF_DOC_END)
+    if begin >= 0 and end > begin:
+        text = text[:begin] + section.rstrip("\n") + text[end + len(GGUF_DOC_END):]
+        where = "replaced its section"
+    else:
+        at = text.find("\n## GGUF")
+        if at >= 0:
+            text = text[:at + 1] + section + "\n" + text[at + 1:]
+            where = "inserted before its '## GGUF' section"
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+            where = "appended"
+    doc.write_text(text)
+    return where
+
+
+def print_gguf_console(rows: list[dict[str, Any]], plan: Plan) -> None:
+    agg = aggregate(rows)
+    for l in plan.models:
+        for k in plan.workloads:
+            t, c = _med(agg, l, "tandem", k), _med(agg, l, LLAMACPP, k)
+            if t and c:
+                print(f"[compare] {l} ({k}) output tok/s: Tandem {t:.1f}, llama.cpp {c:.1f}, Tandem / llama.cpp = "
+                      f"{t / c:.2f}x", flush=True)
+
+
+def gguf_main(args: argparse.Namespace, argv: list[str]) -> int:
+    engines, skipped = [], {}
+    for e in args.engines:
+        why = gguf_engine_available(e, args)
+        if why:
+            skipped[e] = why
+            print(f"[compare] skipping {e}: {why}", flush=True)
+        else:
+            engines.append(e)
+    plan = Plan(models=[GGUF_FORMATS[f] for f in args.gguf_formats], engines=engines,
+                workloads=[k for k in "abcde" if k in args.workloads], repeats=args.repeats, radix_extra=False,
+                skipped=skipped)
+    args.command = command_line(argv)
+    t0 = time.monotonic()
+    if args.from_jsonl:
+        rows = [json.loads(line) for line in args.from_jsonl.read_text().splitlines() if line.strip()]
+        if not rows:
+            raise SystemExit(f"{args.from_jsonl}: no rows")
+        plan.models = [r["label"] for r in rows if r.get("kind") == "gguf-file"]
+        present = {r.get("engine") for r in rows}
+        plan.engines = [e for e in GGUF_ENGINES if e in present]
+        plan.workloads = sorted({r["workload"] for r in rows if r.get("workload")})
+        plan.repeats = args.repeats = 1 + max((r.get("repeat") or 0) for r in rows)
+        plan.skipped = {}
+        args.quick = any(r.get("quick") for r in rows)
+        args.command = next((r["command"] for r in rows if r.get("command")), args.command)
+    elif args.gguf_prepare_only:
+        for f in prepare_gguf_files(args):
+            print(f"[compare] {f['label']}: {f['path']} ({f['size_mib']:.1f} MiB; "
+                  + ", ".join(f"{t} {n}" for t, n in f["types"].items()) + ")", flush=True)
+        return 0
+    else:
+        warn_if_busy()
+        try:
+            rows = run_gguf(plan, args)
+        finally:
+            stop_all_servers()
+    section = render_gguf(rows, args, plan)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("# Benchmarks: GGUF files, Tandem and llama.cpp\n\n" + section)
+    print_gguf_console(rows, plan)
+    smoke = args.quick or plan.repeats < 3
+    doc = args.doc if args.doc is not None else (None if smoke or args.no_doc else REPO / "docs" / "benchmarks.md")
+    if doc is not None and not args.no_doc:
+        print(f"[compare] {doc}: {splice_doc(doc, section)}", flush=True)
+    print(f"[compare] wrote {args.out}; raw rows in {args.from_jsonl or args.results_jsonl}; "
+          f"{time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
 # ---- CLI ---------------------------------------------------------------------------
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
@@ -869,10 +1417,13 @@ def _rates(value: str) -> dict[str, float]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/compare.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", type=_csv, default=list(ENGINES), help="comma list of tandem,vllm,sglang,hf")
+    p.add_argument("--engines", type=_csv, default=None,
+                   help="comma list of tandem,vllm,sglang,hf (default all); with --gguf of "
+                        f"{','.join(GGUF_ENGINES)} (default all)")
     p.add_argument("--models", type=_csv, default=["7m", "100m"], help="make_tiny_model presets (7m,100m)")
     p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="comma list of float32,bfloat16")
-    p.add_argument("--workloads", type=_csv, default=list("abcde"), help="comma list of a,b,c,d,e")
+    p.add_argument("--workloads", type=_csv, default=None,
+                   help="comma list of a,b,c,d,e (default all; with --gguf a,b,e)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, fewer prompts")
     p.add_argument("--rate", dest="rates", type=_rates, default=dict(DEFAULT_RATES),
@@ -882,10 +1433,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-all-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="let vLLM compute on every core (VLLM_CPU_OMP_THREADS_BIND; default on)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("/tmp/tandem-bench/report.md"),
-                   help="the report (docs/benchmarks.md holds hand-written sections too: render into it "
-                        "only by choice, with --from-jsonl)")
-    p.add_argument("--results-jsonl", type=Path, default=Path("/tmp/tandem-bench/results.jsonl"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="the report (default /tmp/tandem-bench/report.md, with --gguf gguf.md there; "
+                        "docs/benchmarks.md holds hand-written sections too: render into it only by choice, with "
+                        "--from-jsonl)")
+    p.add_argument("--results-jsonl", type=Path, default=None,
+                   help="raw rows (default /tmp/tandem-bench/results.jsonl, with --gguf gguf-results.jsonl)")
     p.add_argument("--from-jsonl", type=Path, default=None,
                    help="render --out from saved rows instead of running anything")
     p.add_argument("--notes", default=None, help="markdown file inserted as the 'Reading' section")
@@ -894,9 +1447,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", "/tmp/peers")))
     p.add_argument("--peers-serve", type=Path, default=REPO.parent / "shared" / "peers" / "serve.sh")
     p.add_argument("--start-timeout-scale", type=float, default=1.0)
+    g = p.add_argument_group("GGUF mode (--gguf): Tandem and llama.cpp on the same GGUF files")
+    g.add_argument("--gguf", action="store_true",
+                   help="instead of the model presets: the GGUF source file and the --gguf-formats made from it, "
+                        "each served by Tandem and llama-server one after the other, plus llama-bench; workloads "
+                        "a,b,e by default; a full run rewrites its section of docs/benchmarks.md")
+    g.add_argument("--gguf-source", type=Path, default=DEFAULT_GGUF_SOURCE,
+                   help="the GGUF file the others are made from (default: the default model)")
+    g.add_argument("--gguf-formats", type=_csv, default=list(DEFAULT_GGUF_FORMATS),
+                   help=f"comma list of {','.join(GGUF_FORMATS)} (default {','.join(DEFAULT_GGUF_FORMATS)}); the "
+                        "source's own format is the source file")
+    g.add_argument("--gguf-dequant", type=_csv, default=None,
+                   help="formats on which Tandem also runs with --linear-backend torch (bf16, dequantized; default: "
+                        "the source's format)")
+    g.add_argument("--gguf-dir", type=Path, default=REPO / "models" / "gguf-bench",
+                   help="where the made files are cached (default models/gguf-bench, ignored by git)")
+    g.add_argument("--gguf-prepare-only", action="store_true", help="make the files, print them and stop")
+    g.add_argument("--llamacpp-bin", type=Path, default=None,
+                   help="llama-server, llama-bench and llama-quantize (default $PEERS_DIR/llama.cpp/build/bin)")
+    g.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="llama.cpp's -t / -tb and llama-quantize's threads (default: nproc)")
+    g.add_argument("--doc", type=Path, default=None,
+                   help="markdown file whose GGUF section the run rewrites (default docs/benchmarks.md for a full "
+                        "run, none for a smoke run)")
+    g.add_argument("--no-doc", action="store_true", help="write no doc section, only --out")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    name = "gguf" if args.gguf else "report"
+    args.out = args.out or Path(f"/tmp/tandem-bench/{name}.md")
+    args.results_jsonl = args.results_jsonl or Path(
+        "/tmp/tandem-bench/" + ("gguf-results" if args.gguf else "results") + ".jsonl")
+    if args.gguf:
+        return _gguf_args(p, args)
+    args.engines = args.engines or list(ENGINES)
+    args.workloads = args.workloads or list("abcde")
     for e in args.engines:
         if e not in ENGINES:
             p.error(f"--engines: unknown engine {e!r} (expected {','.join(ENGINES)})")
@@ -912,8 +1499,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if m not in PRESETS:
             p.error(f"--models: unknown preset {m!r} (expected {','.join(PRESETS)})")
         args.rates.setdefault(m, 4.0)
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    return args
+
+
+def _gguf_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    args.engines = args.engines or list(GGUF_ENGINES)
+    args.workloads = args.workloads or list(DEFAULT_GGUF_WORKLOADS)
+    for e in args.engines:
+        if e not in GGUF_ENGINES:
+            p.error(f"--engines: {e!r} is not part of --gguf (expected {','.join(GGUF_ENGINES)})")
+    for w in args.workloads:
+        if w not in "abcde" or len(w) != 1:
+            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d,e)")
+    for f in args.gguf_formats:
+        if f not in GGUF_FORMATS:
+            p.error(f"--gguf-formats: unknown format {f!r} (expected {','.join(GGUF_FORMATS)})")
+    args.gguf_source = args.gguf_source.resolve()
+    args.llamacpp_bin = args.llamacpp_bin or args.peers_dir / "llama.cpp" / "build" / "bin"
+    if args.gguf_dequant is None:
+        if args.gguf_source.is_file():
+            args.gguf_dequant = [gguf_file_info(args.gguf_source)["format"]]
+        else:
+            args.gguf_dequant = []
+    else:
+        for f in args.gguf_dequant:
+            if f not in GGUF_FORMATS:
+                p.error(f"--gguf-dequant: unknown format {f!r} (expected {','.join(GGUF_FORMATS)})")
+        args.gguf_dequant = [GGUF_FORMATS[f] for f in args.gguf_dequant]
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
     return args
 
 
@@ -966,6 +1580,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
+    if args.gguf:
+        return gguf_main(args, argv)
     engines, skipped = [], {}
     for e in args.engines:
         why = engine_available(e, args)
