@@ -12,12 +12,15 @@ caller already runs an event loop) and `async_generate` works from any loop.
 Scripts that create an Engine must guard their entry point with
 `if __name__ == "__main__":` (subprocesses are spawned, as with multiprocessing).
 Every subprocess ends at `shutdown()`, on leaving the `with` block, or at interpreter exit.
+If one of them dies (killed, out of memory), every call waiting on the engine and every
+later one raises `EngineDeadError` naming it, instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import threading
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
@@ -42,6 +45,10 @@ from tandem.utils.process import configure_logging
 Output = dict[str, Any] | list[dict[str, Any]]
 
 
+class EngineDeadError(RuntimeError):
+    """A subprocess of the engine exited: shut it down and start a new one."""
+
+
 class Engine:
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
@@ -57,7 +64,10 @@ class Engine:
             raise ValueError("tokenizer_worker_num: the offline Engine has one tokenizer manager (only 1)")
         self.server_args = server_args
         configure_logging(server_args.log_level, "engine")
+        self._dead: str | None = None  # why the engine can no longer serve
+        self._pending: set[Future] = set()
         self._procs: ServerProcesses | None = launch_subprocesses(server_args)
+        self._procs.watch(self._on_child_death)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-engine-loop", daemon=True)
         self._thread.start()
@@ -72,11 +82,36 @@ class Engine:
         # Created on the engine loop: its asyncio sockets belong to that loop.
         return TokenizerManager(self.server_args, self._procs.port_args, self._procs.scheduler_info)
 
+    def _on_child_death(self, name: str) -> None:
+        self._dead = f"the engine's subprocess {name} exited; shut this engine down and start a new one"
+        for future in list(self._pending):
+            future.cancel()  # cancels its task on the engine loop; the waiter raises EngineDeadError
+
     def _call(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            return self._submit(coro).result()
+        except concurrent.futures.CancelledError:
+            if self._dead:
+                raise EngineDeadError(self._dead) from None
+            raise
+
+    async def _await(self, coro) -> Any:
+        """`coro` run on the engine loop, awaited from the caller's loop."""
+        try:
+            return await asyncio.wrap_future(self._submit(coro))
+        except asyncio.CancelledError:
+            if self._dead:
+                raise EngineDeadError(self._dead) from None
+            raise
 
     def _submit(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        if self._dead:
+            coro.close()
+            raise EngineDeadError(self._dead)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     # ---- public API ----------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -106,7 +141,7 @@ class Engine:
                             top_logprobs_num, return_text_in_logprobs, stream, rid, token_ids_logprob)
         if stream:
             return self._async_stream(obj)
-        return await asyncio.wrap_future(self._submit(self._collect(obj)))
+        return await self._await(self._collect(obj))
 
     def get_server_info(self) -> dict[str, Any]:
         """What GET /server_info returns: arguments, capacities, live memory counts."""
@@ -163,7 +198,7 @@ class Engine:
             procs.shutdown()
         manager = getattr(self, "tokenizer_manager", None)
         if manager is not None and self._loop.is_running():
-            self._call(manager.close())
+            asyncio.run_coroutine_threadsafe(manager.close(), self._loop).result()
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
@@ -209,17 +244,17 @@ class Engine:
                 except StopAsyncIteration:
                     return
         finally:
-            if self._loop.is_running():
+            if self._loop.is_running() and not self._dead:
                 self._call(agen.aclose())
 
     async def _async_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        agen = await asyncio.wrap_future(self._submit(self._open_merged(obj)))
+        agen = await self._await(self._open_merged(obj))
         try:
             while True:
                 try:
-                    yield await asyncio.wrap_future(self._submit(agen.__anext__()))
+                    yield await self._await(agen.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            if self._loop.is_running():
-                await asyncio.wrap_future(self._submit(agen.aclose()))
+            if self._loop.is_running() and not self._dead:
+                await self._await(agen.aclose())

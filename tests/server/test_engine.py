@@ -212,3 +212,38 @@ def test_gguf_engine_and_bad_gguf_paths(engine, tiny_llama_dir, tmp_path):
         assert message.startswith("--model-path: ") and words in message and bad in message, message
         assert "\n" not in message, message
     assert {p.pid for p in psutil.Process().children(recursive=True)} == children  # none was started
+
+
+def test_a_dead_subprocess_fails_waiting_and_later_calls(tiny_llama_dir):
+    """The scheduler killed under a running Engine: a call already waiting and every later
+    one raise EngineDeadError naming the process (they used to wait forever)."""
+    from tandem import Engine
+    from tandem.entrypoints.engine import EngineDeadError
+
+    eng = Engine(model_path=str(tiny_llama_dir))
+    pids = eng.pids()
+    try:
+        scheduler = next(p for p in eng._procs.procs if p.name.startswith("scheduler"))
+        results: dict[str, BaseException | object] = {}
+
+        def call(name, fn):
+            try:
+                results[name] = fn()
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                results[name] = e
+
+        os.kill(scheduler.pid, 9)
+        waiting = [threading.Thread(target=call, args=("generate", lambda: eng.generate("The cat", PARAMS))),
+                   threading.Thread(target=call, args=("stream", lambda: list(eng.generate("x", PARAMS, stream=True))))]
+        for t in waiting:
+            t.start()
+        for t in waiting:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in waiting), "a call still waits on the dead engine"
+        for name in ("generate", "stream"):
+            assert isinstance(results[name], EngineDeadError) and scheduler.name in str(results[name]), results[name]
+        with pytest.raises(EngineDeadError, match=scheduler.name):
+            eng.generate("later", PARAMS)
+    finally:
+        eng.shutdown()
+    assert _wait_gone(pids) == []
