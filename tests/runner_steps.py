@@ -1,6 +1,7 @@
 """Drive a ModelRunner without a scheduler: prefill prompts (optionally in chunks), then
 greedy decode steps, returning tokens and logits; shared by the attention-backend tests
-on CPU and the CUDA checks."""
+on CPU and the CUDA checks. `hf_greedy` is the same for a transformers model (the
+reference those tests compare with)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]], steps: int,
         # A clone: under CUDA graphs the logits are a view that the next replay overwrites.
         out_logits.append(runner.forward(fb).next_token_logits.clone())
     return generated, out_logits
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy generation of `steps` tokens after `prompt`: the new ids and each
+    step's logits (float32)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gguf_writer import write_gguf
-from runner_steps import greedy_steps, make_runner
+from runner_steps import greedy_steps, hf_greedy, make_runner
 from tandem.model_executor.model_loader import check_model, load_config
 from tandem.server_args import ServerArgs
 from tandem.tools.make_tiny_model import make_tiny_model
@@ -40,20 +40,12 @@ def hf_from_gguf(path):
     return model
 
 
-@torch.inference_mode()
-def hf_greedy(model, prompt):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
-
-
 def assert_matches_transformers(gguf_path, reference_path=None):
     runner = make_runner(gguf_path, dtype="float32")
     ids, logits = greedy_steps(runner, PROMPTS, STEPS)
     model = hf_from_gguf(reference_path or gguf_path)
     for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt)
+        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
         assert ids[i] == ref_ids, f"prompt {i}"
         for step, ref in enumerate(ref_logits):
             torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
@@ -81,7 +73,7 @@ def assert_matches_directory(gguf_path, model_dir):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt)
+        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
         assert ids[i] == ref_ids, f"prompt {i}"
         torch.testing.assert_close(logits[0][i], ref_logits[0], atol=1e-4 * ref_logits[0].abs().max().item(), rtol=0)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from runner_steps import greedy_steps, make_runner
+from runner_steps import greedy_steps, hf_greedy, make_runner
 from tandem.entrypoints.sglang_routes import model_info
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
@@ -109,14 +109,6 @@ def rounded_transformers(model_dir, method: str):
     return model
 
 
-@torch.inference_mode()
-def hf_greedy(model, prompt):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), out.logits[0][0].float()
-
-
 @pytest.mark.parametrize("method", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_tokens_equal_transformers_on_rounded_weights(model_dirs, arch, method, caplog):
@@ -129,7 +121,8 @@ def test_greedy_tokens_equal_transformers_on_rounded_weights(model_dirs, arch, m
     ids, logits = greedy_steps(runner, PROMPTS, STEPS)  # decode: 3 rows, on the quantized kernel
     model = rounded_transformers(model_dirs[arch], method)
     for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_first = hf_greedy(model, prompt)
+        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
+        ref_first = ref_logits[0]
         assert ids[i] == ref_ids, f"prompt {i}"
         torch.testing.assert_close(logits[0][i], ref_first, atol=1e-4 * ref_first.abs().max().item(), rtol=0)
 
