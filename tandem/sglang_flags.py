@@ -129,7 +129,7 @@ def add_compat_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -
     """Register every flag of COMPAT_FLAGS; `defaults` are ServerArgs' field defaults."""
     group = parser.add_argument_group("SGLang compatibility", "SGLang's flags; see docs/api.md")
     for flag in COMPAT_FLAGS:
-        kind = "no effect here" if flag.no_effect else "only the neutral value"
+        kind = "no effect here" if flag.no_effect else "other values stop the start"
         group.add_argument(*flag.names, dest=flag.dest, default=defaults[flag.dest],
                            help=f"SGLang's flag ({kind}: {flag.reason}).", **flag.parse)
 
