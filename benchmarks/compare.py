@@ -1484,36 +1484,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         return _gguf_args(p, args)
     args.engines = args.engines or list(ENGINES)
     args.workloads = args.workloads or list("abcde")
-    for e in args.engines:
-        if e not in ENGINES:
-            p.error(f"--engines: unknown engine {e!r} (expected {','.join(ENGINES)})")
-    for w in args.workloads:
-        if w not in "abcde" or len(w) != 1:
-            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d,e)")
-    for d in args.dtypes:
-        if d not in DTYPES:
-            p.error(f"--dtypes: unknown dtype {d!r} (expected {','.join(DTYPES)})")
     from tandem.tools.make_tiny_model import PRESETS
 
+    _check_choices(p, "--engines", "engine", args.engines, ENGINES)
+    _check_choices(p, "--workloads", "workload", args.workloads, "abcde")
+    _check_choices(p, "--dtypes", "dtype", args.dtypes, DTYPES)
+    _check_choices(p, "--models", "preset", args.models, PRESETS)
     for m in args.models:
-        if m not in PRESETS:
-            p.error(f"--models: unknown preset {m!r} (expected {','.join(PRESETS)})")
         args.rates.setdefault(m, 4.0)
     return args
+
+
+def _check_choices(p: argparse.ArgumentParser, flag: str, what: str, values, allowed) -> None:
+    """Exit through `p.error` naming the first of `values` not in `allowed`."""
+    for v in values:
+        if v not in allowed or (isinstance(allowed, str) and len(v) != 1):
+            p.error(f"{flag}: unknown {what} {v!r} (expected {','.join(allowed)})")
 
 
 def _gguf_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     args.engines = args.engines or list(GGUF_ENGINES)
     args.workloads = args.workloads or list(DEFAULT_GGUF_WORKLOADS)
-    for e in args.engines:
-        if e not in GGUF_ENGINES:
-            p.error(f"--engines: {e!r} is not part of --gguf (expected {','.join(GGUF_ENGINES)})")
-    for w in args.workloads:
-        if w not in "abcde" or len(w) != 1:
-            p.error(f"--workloads: unknown workload {w!r} (expected a,b,c,d,e)")
-    for f in args.gguf_formats:
-        if f not in GGUF_FORMATS:
-            p.error(f"--gguf-formats: unknown format {f!r} (expected {','.join(GGUF_FORMATS)})")
+    _check_choices(p, "--engines", "engine with --gguf", args.engines, GGUF_ENGINES)
+    _check_choices(p, "--workloads", "workload", args.workloads, "abcde")
+    _check_choices(p, "--gguf-formats", "format", args.gguf_formats, GGUF_FORMATS)
     args.gguf_source = args.gguf_source.resolve()
     args.llamacpp_bin = args.llamacpp_bin or args.peers_dir / "llama.cpp" / "build" / "bin"
     if args.gguf_dequant is None:

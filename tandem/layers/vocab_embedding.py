@@ -63,7 +63,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard.size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self._loaded: CheckpointTensor | None = None  # the checkpoint tensor, until finish_loading
-        self.rows: PackedRows | None = None
+        self.packed: Packed | None = None  # the shard's GGUF blocks, when they replace the table
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         self.shard.load(param, loaded)
@@ -80,11 +80,15 @@ class VocabParallelEmbedding(nn.Module):
         blocks = np.ascontiguousarray(loaded.blocks[self.shard.start:self.shard.end])
         packed = repack(blocks, loaded.qtype, (real, loaded.shape[1]))
         if packed is not None:
-            self.rows = PackedRows(packed, self.weight.dtype)
+            self.packed = packed
             self.weight.data = torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight) if self.rows is None else self.rows.lookup(ids)
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        p, rows = self.packed, ids.reshape(-1).numpy()
+        values = Packed(p.bits, p.group, p.q[rows], p.scale[rows], p.mn[rows]).dequantize()
+        return torch.from_numpy(values).view(*ids.shape, -1).to(self.weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -93,25 +97,6 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.shard.start).masked_fill(outside, 0)
         out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
         return tensor_model_parallel_all_reduce(out)
-
-
-class PackedRows:
-    """Rows of a `Packed` matrix looked up by id and dequantized, in `dtype`."""
-
-    def __init__(self, packed: Packed, dtype: torch.dtype):
-        self.bits, self.group, self.dtype = packed.bits, packed.group, dtype
-        self.q, self.scale, self.mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        q = self.q.index_select(0, flat)
-        if self.bits == 4:  # byte 16g + j: column 32g + j (low nibble), 32g + 16 + j (high)
-            q = torch.stack([q & 15, q >> 4], dim=1).view(len(flat), 2, -1, 16).transpose(1, 2)
-        groups = self.scale.shape[1]
-        values = q.reshape(len(flat), groups, self.group).float()
-        # scale * q + mn in two float32 roundings, as Packed.dequantize (and the dense copy)
-        w = values.mul_(self.scale.index_select(0, flat).unsqueeze(-1)).add_(self.mn.index_select(0, flat).unsqueeze(-1))
-        return w.view(*ids.shape, groups * self.group).to(self.dtype)
 
 
 class ParallelLMHead(LinearBase):

@@ -94,5 +94,5 @@ class TokenToKVPool:
         if ops is not None and slots.dtype == torch.int64 and k.stride(-1) == v.stride(-1) == 1:
             ops.kv_write(k_buffer, v_buffer, slots, k, v)
             return
-        self.k_buffer[layer_id].index_copy_(0, slots, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, slots, v.to(self.dtype))
+        k_buffer.index_copy_(0, slots, k.to(self.dtype))
+        v_buffer.index_copy_(0, slots, v.to(self.dtype))

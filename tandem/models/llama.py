@@ -23,11 +23,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.layers.rotary import RotaryEmbedding
@@ -132,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = None  # set by prepare_fused_decode once the weights are loaded
 
-    def prepare_fused_decode(self, tp_size: int) -> None:
+    def prepare_fused_decode(self) -> None:
         """`fused_decode`: the weights `tandem_cpu.decode_layer` takes, when it can run this
         layer (one tensor-parallel rank, every linear quantized, no per-head q/k norm, the
         C++ kernels built), else None."""
@@ -140,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ops = cpu_kernels.load()
-        if (ops is None or tp_size != 1 or attn.qk_norm or any(m.quant_kernel is None for m in linears)
+        if (ops is None or attn.qkv_proj.tp_size != 1 or attn.qk_norm or any(m.quant_kernel is None for m in linears)
                 or self.input_layernorm.eps != self.post_attention_layernorm.eps):
             return
         weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in (m.quant_kernel for m in linears)]
@@ -190,7 +190,6 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer.forward(cos_sin, hidden, residual, fb, ctx)
         return self.norm.forward(hidden, residual)[0]
 
-
     @staticmethod
     def _fused_decode_tables(hidden, cos_sin, fb, ctx):
         """The attention tables for `LlamaDecoderLayer.forward_fused` when this forward may run
@@ -239,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
             module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load)
             dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
         for layer in self.model.layers:
-            layer.prepare_fused_decode(self.model.layers[0].self_attn.qkv_proj.tp_size)
+            layer.prepare_fused_decode()
         self.model.embed_tokens.finish_loading(shared_with_head=self.tie_word_embeddings)
         if dequantized and linear_backend == "auto":
             logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",

@@ -67,5 +67,5 @@ def test_large_batches_and_unquantized_layers_take_the_python_layer(gguf_files):
     _, fused_calls = run(runner, [[1, 2, 3]] * (QUANT_MAX_ROWS + 1), fused=True)
     assert fused_calls == 0
     layers[0].mlp.down_proj.quant_kernel = None
-    layers[0].prepare_fused_decode(tp_size=1)
+    layers[0].prepare_fused_decode()
     assert layers[0].fused_decode is None and layers[1].fused_decode is not None

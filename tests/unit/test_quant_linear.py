@@ -153,7 +153,7 @@ def test_embedding_rows_from_blocks_equal_the_dense_table(name, dtype, tp_rank):
     emb.weight_loader(emb.weight, loaded)
     dense = emb.weight.data.clone()
     emb.finish_loading(shared_with_head=False)
-    assert emb.rows is not None and emb.weight.numel() == 0
+    assert emb.packed is not None and emb.weight.numel() == 0
     ids = torch.tensor([[0, 19, 7], [3, 12, 1]])
     got = emb.forward(ids) if tp_rank is None else emb._lookup(ids)
     assert got.dtype == dtype and torch.equal(got, dense[ids])
@@ -164,4 +164,4 @@ def test_embedding_without_a_layout_keeps_its_table():
     emb = VocabParallelEmbedding(40, 256)
     emb.weight_loader(emb.weight, GGUFWeight(half, QT.F16, (40, 256)))
     emb.finish_loading(shared_with_head=False)
-    assert emb.rows is None and emb.weight.shape == (40, 256)
+    assert emb.packed is None and emb.weight.shape == (40, 256)

@@ -231,20 +231,21 @@ QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t 
   return X;
 }
 
+// The 4 floats of f spread over 16 lanes: lane l gets f[l / LANES_PER_GROUP] (4 or 8 lanes each).
+template <int LANES_PER_GROUP>
+inline __m512 spread_groups(__m128 f) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(lane, LANES_PER_GROUP == 8 ? 3 : 2), _mm512_castps128_ps512(f));
+}
+
 // `count` (<= 4) scales from p, each repeated over the 16 / groups_per_chunk lanes of its group.
 template <int LANES_PER_GROUP>
 inline __m512 lane_scales(const float* p, int count) {
-  const __m128 f = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), p);
-  return _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 LANES_PER_GROUP == 8 ? 3 : 2),
-                               _mm512_castps128_ps512(f));
+  return spread_groups<LANES_PER_GROUP>(_mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), p));
 }
 template <int LANES_PER_GROUP>
 inline __m512 lane_scales(const c10::Half* p, int count) {
-  const __m128i h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p);
-  return _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 LANES_PER_GROUP == 8 ? 3 : 2),
-                               _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+  return spread_groups<LANES_PER_GROUP>(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p)));
 }
 
 inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
