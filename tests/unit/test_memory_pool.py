@@ -47,8 +47,10 @@ def test_kv_set_from_qkv_views_equals_index_copy(dtype):
     in the C++ kv_write where the kernels are built, land as index_copy_ puts them; other
     slots stay untouched; a slot outside the pool is refused."""
     pool = make_kv(8)
-    pool.k_buffer = [b.to(dtype) for b in pool.k_buffer]
-    pool.v_buffer = [b.to(dtype) for b in pool.v_buffer]
+    # The pool's buffers are torch.empty: garbage that may hold NaNs, which torch.equal never
+    # matches. Fill them with values so "untouched" can be checked.
+    pool.k_buffer = [torch.randn_like(b).to(dtype) for b in pool.k_buffer]
+    pool.v_buffer = [torch.randn_like(b).to(dtype) for b in pool.v_buffer]
     pool.dtype = dtype
     before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
     qkv = torch.randn(3, 4 * 4 + 2 * 2 * 4).to(dtype)
