@@ -66,6 +66,9 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
     ([65, 300], 8, 1, 48),  # MQA (group 8), head_dim not a power of two
     ([5, 90], 32, 2, 16),  # group 16: one full block of query heads per KV head
     ([40, 2], 32, 1, 16),  # group 32: two blocks of query heads share the KV head
+    ([9, 70], 48, 2, 16),  # group 24: a group's heads fill one block and part of the next
+    ([33, 4], 40, 2, 16),  # group 20: the second block of a group is mostly padding
+    ([12], 36, 3, 16),  # group 12 (below 16, not dividing 16) over three KV heads
 ])
 def test_decode_matches_torch_native(seq_lens, heads, kv_heads, head_dim):
     pools = Pools(seq_lens, kv_heads, head_dim)

@@ -1,7 +1,7 @@
 """Decode attention in Triton over the paged KV pool, read in place through `req_to_token`.
 
 One query token per request. Split-K (flash-decoding): stage 1 runs one program per
-(request, block of query heads sharing a KV head, KV split) and writes each split's
+(request, block of at most 16 query heads of one KV head's group, KV split) and writes each split's
 normalised partial output and log-sum-exp; stage 2 merges a request's splits. The split
 length depends only on the request's own length (`seq_len / NUM_KV_SPLITS`, at least
 MIN_SPLIT_LEN keys), so short requests use one split, long ones up to NUM_KV_SPLITS, and
@@ -61,10 +61,15 @@ def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_le
                    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr,
                    NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     bid, hblock, split_id = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # Head blocks never straddle two KV heads: a block holds min(BLOCK_H, GROUP) heads.
-    kv_head = hblock // tl.cdiv(GROUP, BLOCK_H)
-    heads = hblock * HEADS_PER_BLOCK + tl.arange(0, BLOCK_H)
-    mask_h = (heads < (hblock + 1) * HEADS_PER_BLOCK) & (heads < NUM_HEADS)
+    # Head blocks never straddle two KV heads: each KV head's GROUP query heads get
+    # cdiv(GROUP, HEADS_PER_BLOCK) blocks of their own, the last one cut at the group's
+    # end (group 24: heads 0-15, 16-23 | 24-39, 40-47), so a block's KV head is its
+    # group's, also when GROUP is above BLOCK_H and not a multiple of it.
+    blocks_per_group = tl.cdiv(GROUP, HEADS_PER_BLOCK)
+    kv_head = hblock // blocks_per_group
+    in_group = (hblock % blocks_per_group) * HEADS_PER_BLOCK + tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + in_group
+    mask_h = (tl.arange(0, BLOCK_H) < HEADS_PER_BLOCK) & (in_group < GROUP) & (heads < NUM_HEADS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + bid)
@@ -123,7 +128,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     group = num_heads // k_buffer.shape[1]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     heads_per_block = min(BLOCK_H, group)
-    head_blocks = triton.cdiv(num_heads, heads_per_block)
+    head_blocks = k_buffer.shape[1] * triton.cdiv(group, heads_per_block)
     _decode_stage1[(bs, head_blocks, NUM_KV_SPLITS)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, att_out, att_lse, sm_scale,
         req_to_token.stride(0), q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
