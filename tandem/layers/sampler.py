@@ -96,14 +96,27 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [bs, vocab] that is a pure function of (seed, output_len, token id):
-    a counter-based hash turned into a uniform in (0, 1) with 24 bits, then -log."""
+def seeded_bits(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """32 hashed bits [bs, vocab] (int64) per (seed, output_len, token id)."""
     key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(output_lens & _MASK32)))
     counter = _mul32(torch.arange(vocab_size, device=seeds.device), _GOLDEN32)
-    bits = _mix32(_mix32((key.unsqueeze(1) + counter) & _MASK32) ^ key.unsqueeze(1))
-    uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24
-    return -torch.log(uniform)
+    return _mix32(_mix32((key.unsqueeze(1) + counter) & _MASK32) ^ key.unsqueeze(1))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32 hashed bits -> a float32 uniform strictly inside (0, 1): the top 23 bits k give
+    (k + 0.5) * 2**-23, exact in float32 (24 significant bits), from 2**-24 to 1 - 2**-24.
+    (With 24 bits, (2**24 - 1 + 0.5) * 2**-24 rounds to 1.0 in float32: noise -log(1) = 0
+    let a token with p > 0 win outright (p / 0 = inf) and a filtered one become NaN
+    (0 / 0), which argmax picks.)"""
+    return ((bits >> 9).float() + 0.5) * 2.0 ** -23
+
+
+def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [bs, vocab] that is a pure function of (seed, output_len, token id):
+    a counter-based hash turned into a uniform in (0, 1) with 23 bits, then -log; every
+    value is finite and > 0."""
+    return -torch.log(bits_to_uniform(seeded_bits(seeds, output_lens, vocab_size)))
 
 
 def _filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,

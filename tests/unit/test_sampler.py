@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.sampler import Sampler, SamplingBatchInfo, _filter_probs, seeded_exponential
+from tandem.layers.sampler import (Sampler, SamplingBatchInfo, _filter_probs, bits_to_uniform, seeded_bits,
+                                   seeded_exponential)
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -78,3 +79,38 @@ def test_unseeded_rows_follow_the_sampler_generator():
     s = Sampler(5, "cpu")
     b = [s(logits, info(params, vocab=50)).tolist() for _ in range(2)]
     assert a[0] == a[1] == b[0] and b[0] != b[1]
+
+
+# sampling_seed 1234 at step 9734091 hashes token 1 to 0xFFFFFFD2: its top 24 (and 23)
+# bits are all ones, the largest uniform the hash can give (found by a search, kept here).
+EXTREME_SEED, EXTREME_STEP, EXTREME_TOKEN = 1234, 9734091, 1
+
+
+def test_uniform_is_strictly_inside_0_1_in_float32():
+    """The extreme bit patterns give float32 uniforms strictly inside (0, 1), so the noise
+    -log(u) is finite and > 0 (24 bits gave exactly 1.0 at the top: noise 0)."""
+    u = bits_to_uniform(torch.tensor([0, 0x1FF, 0xFFFFFE00, 0xFFFFFFFF], dtype=torch.int64))
+    assert u.dtype == torch.float32
+    assert (u > 0).all() and (u < 1).all(), u.tolist()
+    noise = -torch.log(u)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+
+
+def test_extreme_counter_gives_positive_noise():
+    seeds = info([SamplingParams(temperature=1.0, sampling_seed=EXTREME_SEED)], vocab=4).seeds
+    steps = torch.tensor([EXTREME_STEP])
+    assert (seeded_bits(seeds, steps, 4)[0, EXTREME_TOKEN] >> 8).item() == 2 ** 24 - 1
+    noise = seeded_exponential(seeds, steps, 4)[0]
+    assert torch.isfinite(noise).all() and (noise > 0).all(), noise.tolist()
+
+
+def test_a_filtered_token_is_never_drawn_at_the_extreme_counter():
+    """Token 1 is removed by top-k, top-p or min-p; at the step where its uniform is the
+    largest the hash gives, the draw is still a kept token (it was NaN = 0/0, which argmax
+    picked), and the draw is the same on every call."""
+    logits = torch.tensor([[4.0, 0.0, 3.5, -1.0]])
+    for extra in ({"top_k": 1}, {"top_p": 0.5}, {"min_p": 0.5}):
+        p = SamplingParams(temperature=1.0, sampling_seed=EXTREME_SEED, **extra)
+        out = Sampler(0, "cpu")(logits, info([p], vocab=4, output_lens=[EXTREME_STEP]))
+        assert out.item() != EXTREME_TOKEN, extra
+        assert out.item() in ({0} if "top_k" in extra or "top_p" in extra else {0, 2}), extra
