@@ -287,6 +287,7 @@ class ServerArgs:
                  "--max-running-requests, at most 256).")
         add("--cuda-graph-bs", type=int, nargs="+", default=None,
             help="The batch sizes to capture (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs); "
+                 "sizes above --cuda-graph-max-bs (at most --max-running-requests) give way to that cap; "
                  "a batch runs padded to the smallest captured size that holds it.")
         add("--enable-torch-compile", action="store_true",
             help="torch_native attention: decode reads the paged KV pool in place through a kernel "

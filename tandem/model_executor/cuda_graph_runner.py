@@ -36,9 +36,13 @@ DEFAULT_MAX_BS = 256
 
 def capture_batch_sizes(max_bs: int, explicit: list[int] | None = None) -> list[int]:
     """The buckets: `explicit` (capped at max_bs), else 1, 2, 4, 8, 16, 24, ... up to max_bs
-    (max_bs itself included), ascending and unique."""
+    (max_bs itself included), ascending and unique. As in SGLang, explicit sizes above
+    max_bs give way to max_bs itself, so the list is never empty and the largest batch
+    that can run has a graph (`--cuda-graph-bs 32 64` with `--max-running-requests 4`: [4])."""
     if explicit:
         sizes = [bs for bs in explicit if bs <= max_bs]
+        if max(explicit) > max_bs:
+            sizes.append(max_bs)
     else:
         sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
     return sorted(set(sizes))
@@ -52,6 +56,8 @@ class CudaGraphRunner:
 
     def __init__(self, forward: Callable[[ForwardBatch], LogitsProcessorOutput], attn_backend: AttentionBackend,
                  batch_sizes: list[int], vocab_size: int, device: str):
+        if not batch_sizes:
+            raise ValueError("CUDA graphs: no batch sizes to capture (--cuda-graph-bs)")
         self.forward_fn = forward
         self.attn_backend = attn_backend
         self.batch_sizes = batch_sizes
