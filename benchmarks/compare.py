@@ -11,7 +11,9 @@ server (its whole process group and every descendant), and moves on. HF transfor
 runs in this process: `generate` on left-padded batches of the same prompts (greedy,
 `min_new_tokens == max_new_tokens`, so lengths match), one batch per `max_concurrency`
 slice, with step times taken from a streamer. It writes the raw rows (--results-jsonl),
-a markdown report with the tables (--out) and a plot next to it (.png).
+a markdown report with the tables (--out) and a plot next to it (.png). A full run (not
+--quick, at least 3 repeats) also rewrites docs/benchmarks.md (--doc) and its plot: the
+whole page but its GGUF section, which it keeps.
 
 Workloads (token-id prompts, `ignore_eos`, so every engine does the same work):
   a  16 concurrent requests: random prompts of 64-128 tokens (bench_serving's random
@@ -53,6 +55,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -825,7 +828,7 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
     workloads = {k: v for k, v in make_workloads(args.quick, args.rates[preset_of(plan.models[0])]).items()
                  if k in plan.workloads}
     smoke = args.quick or plan.repeats < 3
-    out = ["# Benchmarks: Tandem, vLLM, SGLang and HF transformers", ""]
+    out = ["# Benchmarks: Tandem, vLLM, SGLang and HF transformers", "", PAGE_INTRO, ""]
     if smoke:
         out += ["> **SMOKE RUN** (`--quick`, or fewer than 3 repeats): these numbers only show that the",
                 "> comparison runs end to end. Fewer prompts and repeats than the full matrix; do not read",
@@ -866,7 +869,8 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
             "- Metrics (SGLang's definitions, `tandem/benchmarks/metrics.py`): output tok/s = generated tokens "
             "/ run duration (first send to last response); total tok/s adds prompt tokens; TTFT = first token "
             "- send; TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between streamed tokens.",
-            "- vLLM: `../shared/peers/serve.sh vllm DIR PORT --dtype D --enable-prompt-tokens-details` ("
+            "- vLLM and SGLang are installed outside this repository and started by the peers' serve script "
+            "(`--peers-serve`). vLLM: `serve.sh vllm DIR PORT --dtype D --enable-prompt-tokens-details` ("
             "max-model-len 2048; the flag only makes it report cached prompt tokens)"
             + (", with `VLLM_CPU_OMP_THREADS_BIND=0-N VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on all "
                "cores" if args.vllm_all_cores else ", vLLM's default CPU thread binding") + ". SGLang: "
@@ -893,9 +897,27 @@ def render_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, plan: 
         out.append("")
     if args.notes and Path(args.notes).exists():
         out += ["## Reading", "", Path(args.notes).read_text().strip(), ""]
-    else:
-        out += ["## Reading", "", "_To be written from a full run: where Tandem wins, where it loses, and why._", ""]
     return "\n".join(out)
+
+
+# The first paragraph of docs/benchmarks.md (main mode writes it; a GGUF run keeps it).
+PAGE_INTRO = ("Everything on this page is written by `benchmarks/compare.py`, each part from one run that names its "
+              "date, machine and commit: the side-by-side run with vLLM, SGLang and HF transformers "
+              "(`make bench-compare`) and the GGUF section (`make bench-compare BENCH_ARGS=\"--gguf\"`, which "
+              "rewrites that section alone). Rerun them rather than editing the page. Readings of runs, partial "
+              "runs and the measurements behind the code's choices are in [perf-log/](perf-log/README.md).")
+
+
+def write_main_doc(doc: Path, page: str) -> str:
+    """Write the main run's `page` to `doc`, keeping the GGUF section `doc` holds (after the page);
+    return what it did."""
+    old = doc.read_text() if doc.exists() else ""
+    begin, end = old.find(GGUF_DOC_BEGIN), old.find(GGUF_DOC_END)
+    kept = old[begin:end + len(GGUF_DOC_END)] if begin >= 0 and end > begin else ""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(page.rstrip("\n") + "\n" + (f"\n{kept}\n" if kept else ""))
+    return "rewritten, its GGUF section kept" if kept else "rewritten"
+
 
 
 def print_console(rows: list[dict[str, Any]], plan: Plan) -> None:
@@ -1175,7 +1197,7 @@ def render_gguf(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan
     notes = []
     if any(f["made_by"] != "source" for f in files):
         notes.append(f"The other files are made once from `{args.gguf_source.name}` with llama-quantize (cached in "
-                     f"`{args.gguf_dir}`, not committed). llama-quantize dequantizes the source's blocks to float32 "
+                     f"`{_shown(args.gguf_dir)}`, not committed). llama-quantize dequantizes the source's blocks to float32 "
                      "and quantizes those values again: Q4_0 and Q4_K_M are *requantized* from the 4-bit Q4_1 values "
                      "(their error adds to Q4_1's), while Q8_0 and BF16 hold the Q4_1 values almost exactly. The files "
                      "measure speed on the same model, not the quality of each format.")
@@ -1307,6 +1329,14 @@ def render_gguf(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan
     return "\n".join(out) + "\n"
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when it is inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _pair(a: float | None, b: float | None, digits: int) -> str:
     return f"{a:.{digits}f} / {b:.{digits}f}" if a is not None and b is not None else "-"
 
@@ -1434,9 +1464,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="let vLLM compute on every core (VLLM_CPU_OMP_THREADS_BIND; default on)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=None,
-                   help="the report (default /tmp/tandem-bench/report.md, with --gguf gguf.md there; "
-                        "docs/benchmarks.md holds hand-written sections too: render into it only by choice, with "
-                        "--from-jsonl)")
+                   help="the report (default /tmp/tandem-bench/report.md, with --gguf gguf.md there)")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="the page a full run rewrites (default docs/benchmarks.md; none for a smoke run): the whole "
+                        "page but its GGUF section, or with --gguf that section alone")
+    p.add_argument("--no-doc", action="store_true", help="write no doc, only --out")
     p.add_argument("--results-jsonl", type=Path, default=None,
                    help="raw rows (default /tmp/tandem-bench/results.jsonl, with --gguf gguf-results.jsonl)")
     p.add_argument("--from-jsonl", type=Path, default=None,
@@ -1467,10 +1499,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="llama-server, llama-bench and llama-quantize (default $PEERS_DIR/llama.cpp/build/bin)")
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="llama.cpp's -t / -tb and llama-quantize's threads (default: nproc)")
-    g.add_argument("--doc", type=Path, default=None,
-                   help="markdown file whose GGUF section the run rewrites (default docs/benchmarks.md for a full "
-                        "run, none for a smoke run)")
-    g.add_argument("--no-doc", action="store_true", help="write no doc section, only --out")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1
@@ -1607,8 +1635,16 @@ def main(argv: list[str] | None = None) -> int:
                        {k: v for k, v in make_workloads(args.quick, 1.0).items() if k in plan.workloads}, plot_path):
         plot_path = None
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render_markdown(rows, args, plan, versions, plot_path))
+    page = render_markdown(rows, args, plan, versions, plot_path)
+    args.out.write_text(page)
     print_console(rows, plan)
+    smoke = args.quick or plan.repeats < 3
+    doc = args.doc if args.doc is not None else (None if smoke else REPO / "docs" / "benchmarks.md")
+    if doc is not None and not args.no_doc:
+        if plot_path is not None:
+            shutil.copyfile(plot_path, doc.with_suffix(".png"))
+            page = page.replace(f"]({plot_path.name})", f"]({doc.with_suffix('.png').name})")
+        print(f"[compare] {doc}: {write_main_doc(doc, page)}", flush=True)
     print(f"[compare] wrote {args.out}" + (f" and {plot_path}" if plot_path else "") +
           f"; raw rows in {args.from_jsonl or args.results_jsonl}; {time.monotonic() - t0:.0f} s", flush=True)
     return 0

@@ -114,3 +114,29 @@ def test_splice_doc(compare, tmp_path):
     other = tmp_path / "other.md"
     other.write_text("# Other\n")
     assert compare.splice_doc(other, first) == "appended" and other.read_text().endswith(compare.GGUF_DOC_END + "\n")
+
+
+def test_write_main_doc(compare, tmp_path):
+    """A main run rewrites the page and keeps the GGUF section a --gguf run wrote there; a GGUF
+    run then replaces that section alone."""
+    doc = tmp_path / "benchmarks.md"
+    assert compare.write_main_doc(doc, "# Benchmarks\n\nrun one\n") == "rewritten"
+    gguf = f"{compare.GGUF_DOC_BEGIN}\n## GGUF run\n{compare.GGUF_DOC_END}\n"
+    assert compare.splice_doc(doc, gguf) == "appended"
+    assert "kept" in compare.write_main_doc(doc, "# Benchmarks\n\nrun two\n")
+    text = doc.read_text()
+    assert "run one" not in text and text.startswith("# Benchmarks\n\nrun two\n")
+    assert text.count(compare.GGUF_DOC_BEGIN) == 1 and text.rstrip().endswith(compare.GGUF_DOC_END)
+    assert "replaced" in compare.splice_doc(doc, gguf.replace("GGUF run", "GGUF run two"))
+    assert "run two\n" in doc.read_text() and "## GGUF run two" in doc.read_text()
+
+
+def test_main_page_header(compare):
+    """The page says it is generated whole and points at the perf log; no notes, no Reading."""
+    args = compare.parse_args(["--engines", "tandem", "--models", "7m", "--dtypes", "float32", "--workloads", "b"])
+    args.command = ".venv/bin/python benchmarks/compare.py"
+    assert args.doc is None and not args.no_doc
+    plan = compare.Plan(models=["7m fp32"], engines=["tandem"], workloads=["b"], repeats=3, radix_extra=False)
+    page = compare.render_markdown([], args, plan, {}, None)
+    assert compare.PAGE_INTRO in page and "perf-log/" in page and "SMOKE RUN" not in page
+    assert "## Reading" not in page and "../shared" not in page
