@@ -66,15 +66,16 @@ browser:
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
 	else echo "no /usr/bin/chromium: the chat page's browser test will skip (apt-get install chromium)"; fi
 
-# Side-by-side comparison with vLLM, SGLang (when ../shared/peers/setup.sh installed them) and HF
-# transformers, each model in float32 and bfloat16, workloads a-e (16 and 64 concurrent, single
-# stream, Poisson rate, shared prefix); writes docs/benchmarks.md and docs/benchmarks.png.
+# Side-by-side comparison with vLLM, SGLang (installed outside this repository, found through compare.py's
+# --peers-dir and --peers-serve; missing ones are skipped) and HF transformers, each model in float32 and bfloat16, workloads a-e (16 and 64 concurrent, single
+# stream, Poisson rate, shared prefix); a full run rewrites docs/benchmarks.md (all but its GGUF section) and
+# docs/benchmarks.png.
 # Takes about two hours on 2 cores. BENCH_ARGS="--quick --models 7m" for a smoke run,
 # BENCH_ARGS="--dtypes bfloat16 --workloads a,e" for a subset.
 # GGUF rows (#23): BENCH_ARGS="--gguf" serves the default model's Q4_1 file and the Q4_0, Q8_0, Q4_K_M
 # and BF16 files llama-quantize makes from it (cached in models/gguf-bench) with Tandem, then llama.cpp's
-# llama-server (../shared/peers/setup.sh llamacpp; the run builds llama-quantize in the same build
-# directory when it is missing), plus llama-bench; workloads b, a, e; rewrites its section of
+# llama-server (built outside this repository: compare.py --llamacpp-bin; the run builds llama-quantize in
+# the same build directory when it is missing), plus llama-bench; workloads b, a, e; rewrites its section of
 # docs/benchmarks.md (about 50 minutes on 2 cores). Smoke run:
 # BENCH_ARGS="--gguf --quick --gguf-formats q4_1" (writes /tmp/tandem-bench/gguf.md only).
 BENCH_ARGS ?=
@@ -83,7 +84,7 @@ bench-compare: install
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	$(PY) benchmarks/compare.py $(BENCH_ARGS)
 
-# The CUDA path on a GPU (benchmarks/gpu_check.sh says what it runs; docs/benchmarks.md).
+# The CUDA path on a GPU (benchmarks/gpu_check.sh says what it runs; docs/gpu-check.md: it has not run on a GPU yet).
 # `make wheelhouse` where there is network downloads the wheels it installs offline.
 .PHONY: wheelhouse gpu-check
 wheelhouse: install

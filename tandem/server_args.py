@@ -124,7 +124,7 @@ class ServerArgs:
         if self.disable_overlap_schedule is None:
             # On CPU the forward computes on the cores the scheduler's Python would overlap
             # it with (and shares its GIL): the normal loop is faster there (measured in
-            # docs/benchmarks.md, "Overlap on CPU"), as vLLM turns async scheduling off on CPU.
+            # docs/perf-log/scheduling.md, "Overlap on CPU"), as vLLM turns async scheduling off on CPU.
             self.disable_overlap_schedule = self.device == "cpu"
 
     def validate(self) -> None:
@@ -328,7 +328,7 @@ def default_chunked_prefill_size(device: str) -> int:
     CPU at most 512 tokens per core (at least 1024): a CPU prefill forward is compute-bound
     at any chunk size (1024 tokens of a 100M model take ~0.6 s on 2 cores), so a smaller
     chunk costs little throughput and gives a burst of requests their first tokens sooner
-    (docs/benchmarks.md: 64 requests at once, median TTFT -15 to -30% at 1024 vs 4096)."""
+    (docs/perf-log/scheduling.md, "The CPU chunk size": 64 requests at once, median TTFT -15 to -30% at 1024 vs 4096)."""
     mib = _device_memory_mib(device)
     by_memory = 4096 if mib is None else next(
         (size for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)) if mib < limit_gib * 1024), 16384)

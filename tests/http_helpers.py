@@ -42,8 +42,8 @@ def wait_idle(client: httpx.Client, timeout: float = 20.0) -> dict:
 
 
 def assert_memory_idle(client: httpx.Client, timeout: float = 20.0) -> dict:
-    """Wait until idle, then check DESIGN.md §5's invariant: every KV slot is free or an
-    unlocked cached slot, and nothing is locked."""
+    """Wait until idle, then check the idle invariant (docs/architecture.md, "KV memory and the
+    radix cache"): every KV slot is free or an unlocked cached slot, and nothing is locked."""
     info = wait_idle(client, timeout)
     assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"], info
     assert info["protected_cached_slots"] == 0, info

@@ -7,12 +7,12 @@ for its device, chosen once after the weights are loaded (`--linear-backend`).
   and every call runs `mkldnn._linear_pointwise` on it, as vLLM's CPU backend does with
   its prepacked oneDNN matmuls. Decode multiplies a few rows by every weight each step,
   so the weight layout decides the speed: measured on 2 EPYC cores (`bench_one_batch`,
-  docs/benchmarks.md), a decode step of a 100M-parameter Llama takes 38-42 ms instead of
+  docs/perf-log/peers.md), a decode step of a 100M-parameter Llama takes 38-42 ms instead of
   69-75 ms at batch 16, and 23-27 ms instead of 33-38 ms at batch 1.
   Inputs of 1 or 2 rows run as `PADDED_ROWS` (4), padded with zero rows: oneDNN's
   kernels for 1 or 2 rows read the weight more slowly than its kernel for 4 (measured on
   the 100M model's decode linears, one thread: 1 row 8-18% and 2 rows 17-34% slower than
-  4 rows; 3 rows as fast as 4; docs/benchmarks.md, "Linear kernels").
+  4 rows; 3 rows as fast as 4; docs/perf-log/cpu-decode.md, "Linear kernels").
   Elsewhere (CUDA, other dtypes, no oneDNN) `auto` is `torch`.
 
 Results equal `F.linear`'s to float rounding (the summation order differs).

@@ -19,7 +19,7 @@ policy measures instead of guessing:
   depends on the batch (a server's warm-up request decodes alone; a burst of 64 does not).
   Each probe's steps on the slower count cost time (at 16 requests on 2 cores, three
   steps of 44 ms instead of 26).
-  Measured on 2 cores (docs/benchmarks.md, "Threads, measured"): a 100M model decodes ~1.7x
+  Measured on 2 cores (docs/perf-log/cpu-decode.md, "Threads, measured"): a 100M model decodes ~1.7x
   faster on both cores of a quiet machine, a 7M model gains nothing from the second
   thread, and on a machine loaded with other work two threads can be several times
   slower than one.

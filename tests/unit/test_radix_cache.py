@@ -542,7 +542,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             return
         for node, _ in self.locks:
             self.cache.dec_lock_ref(node)
-        # Idle server invariant (DESIGN.md §5): free + evictable == total, no locks left.
+        # Idle server invariant (docs/architecture.md, "KV memory and the radix cache"): free + evictable == total, no locks left.
         for t in self.private:
             self.pool.free(t)
         assert self.cache.protected_size() == 0

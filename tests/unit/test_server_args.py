@@ -134,7 +134,7 @@ def test_overlap_loop_default_follows_the_device():
 
 def test_mixed_chunk_is_off_unless_asked():
     """SGLang's default on every device (mixing measured slower than pausing with the
-    normal loop on CPU: docs/benchmarks.md)."""
+    normal loop on CPU: docs/perf-log/scheduling.md)."""
     assert _parse("--device", "cpu").enable_mixed_chunk is False
     assert _parse("--device", "cpu", "--enable-mixed-chunk").enable_mixed_chunk is True
 

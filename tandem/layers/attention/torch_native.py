@@ -7,7 +7,7 @@ Requests are ragged; the model never computes padded tokens:
   query heads that share a KV head stacked on SDPA's query axis.
 - DECODE on CPU: Tandem's C++ kernel (tandem/kernels/csrc/decode_attention_cpu.cpp) reads
   each request's keys and values in place through the request's row of the ReqToTokenPool,
-  in float32, requests in parallel (docs/architecture.md). It is built for the machine on
+  in float32, requests in parallel (docs/architecture.md, "Attention backends"). It is built for the machine on
   first use (tandem/kernels/cpu.py); where it cannot be (no C++ compiler) or the shapes do
   not suit it (head_dim not a multiple of 16), the PyTorch paths below run instead.
 - DECODE elsewhere: one query per request, a handful of kernels per layer whatever the
@@ -157,7 +157,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         The query heads sharing a KV head are SDPA's query axis ([bs, kv_heads, group, D])
         rather than `enable_gqa` over one-token queries: each KV head is read once, and
         PyTorch's CPU flash kernel in bfloat16 runs 5-10x faster than on one-token queries
-        (docs/benchmarks.md, "Where a decode step goes")."""
+        (docs/perf-log/cpu-decode.md, "Where a decode step goes")."""
         bs = fb.batch_size
         table, valid = self.forward_metadata
         qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim)
