@@ -292,7 +292,8 @@ class ServerArgs:
         add("--enable-torch-compile", action="store_true",
             help="torch_native attention: decode reads the paged KV pool in place through a kernel "
                  "compiled by torch.compile (Inductor; needs a C++ compiler), compiled at start "
-                 "(5-40 s on 2 CPU cores) for every batch size and length.")
+                 "(5-40 s on 2 CPU cores) for every batch size and length; one log line at start says what "
+                 "it compiles, or why nothing (the C++ CPU decode kernel, or --attention-backend triton).")
         add("--enable-metrics", action="store_true",
             help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).")
         add("--log-requests", action="store_true",

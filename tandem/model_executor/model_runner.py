@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from tandem.distributed import tensor_model_parallel_all_gather_object, tensor_model_parallel_min
-from tandem.layers.attention.registry import create_attention_backend
+from tandem.layers.attention.registry import create_attention_backend, torch_compile_note
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -130,6 +130,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
             self.model.model.layers[0].self_attn.num_heads, self.head_dim, server_args.enable_torch_compile)
+        if server_args.enable_torch_compile and tp_rank == 0:
+            logger.info(torch_compile_note(self.attn_backend, server_args.attention_backend))
         self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
         self.cuda_graph_runner = self._init_cuda_graphs()
         self.sampler = Sampler(server_args.random_seed, self.device)

@@ -37,6 +37,18 @@ ATTENTION_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
 }
 
 
+def torch_compile_note(backend: AttentionBackend, name: str) -> str:
+    """`--enable-torch-compile`'s one log line: what it compiles, or why it compiles nothing."""
+    compiled = getattr(backend, "compiled_decode", None)
+    if compiled is not None:
+        return ("--enable-torch-compile: torch_native's decode attention (paged_decode) is compiled by "
+                "torch.compile (Inductor) at start; nothing else is compiled")
+    if getattr(backend, "decode_kernel", None) is not None:
+        return ("--enable-torch-compile has no effect here: decode attention runs Tandem's C++ CPU kernel "
+                "(TANDEM_DISABLE_CPU_KERNELS=1 runs torch_native's PyTorch decode, compiled)")
+    return f"--enable-torch-compile has no effect here: --attention-backend {name}'s kernels are compiled already"
+
+
 def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
                              num_heads: int, head_dim: int, enable_torch_compile: bool = False) -> AttentionBackend:
     """The backend `name` for this rank's `num_heads` query heads of `head_dim`;
