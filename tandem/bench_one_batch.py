@@ -47,10 +47,10 @@ import torch
 
 from tandem.benchmarks.datasets import generate_random_requests, load_token_space
 from tandem.benchmarks.hardware_floor import decode_floor, measure_bandwidth, measure_matmul_flops
-from tandem.managers.schedule_batch import Req, ScheduleBatch
+from tandem.scheduler.schedule_batch import Req, ScheduleBatch
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
-from tandem.managers.tp_worker import TpModelWorker
+from tandem.scheduler.tp_worker import TpModelWorker
 from tandem.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import ServerArgs

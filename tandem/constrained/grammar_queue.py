@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tandem import finish_reason
 from tandem.constrained.xgrammar_backend import Grammar, XGrammarBackend
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -62,12 +63,12 @@ class GrammarQueue:
                     entry.req.grammar = Grammar(entry.future.result())
                     ready.append(entry.req)
                 else:
-                    entry.req.finished_reason = _bad_grammar(str(exc))
+                    entry.req.finished_reason = finish_reason.abort(str(exc), 400)
                     failed.append(entry.req)
             elif now >= entry.deadline:
                 kind = entry.req.sampling_params.grammar_key()[0]
-                entry.req.finished_reason = _bad_grammar(
-                    f"sampling_params.{kind}: the grammar did not compile within {self.timeout_s:g} s")
+                entry.req.finished_reason = finish_reason.abort(
+                    f"sampling_params.{kind}: the grammar did not compile within {self.timeout_s:g} s", 400)
                 failed.append(entry.req)
             else:
                 waiting.append(entry)
@@ -80,6 +81,3 @@ class GrammarQueue:
         self._entries = [e for e in self._entries if not match(e.req)]
         return taken
 
-
-def _bad_grammar(message: str) -> dict[str, Any]:
-    return {"type": "abort", "status_code": 400, "message": message}

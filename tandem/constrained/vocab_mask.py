@@ -39,3 +39,22 @@ class VocabMask:
         xgrammar.apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device, non_blocking=True),
                                              indices=self.rows)
         return masked
+
+
+def batch_vocab_mask(backend, reqs: list, fill: bool) -> VocabMask | None:
+    """The vocab mask of a batch of `reqs` (Req) when any is constrained, else None;
+    filled now if `fill`, else later by `fill_when_due` (delayed sampling)."""
+    if all(r.grammar is None for r in reqs):
+        return None
+    mask = VocabMask(len(reqs), backend.vocab_size)
+    if fill:
+        backend.fill_vocab_mask(mask, [r.grammar for r in reqs])
+    return mask
+
+
+def fill_when_due(backend, mask: VocabMask | None, reqs: list) -> None:
+    """Fill a mask left unfilled at launch, once: every result before its batch must have
+    been processed (the grammars have seen every token). A request that finished meanwhile
+    allows every token: its token is dropped."""
+    if mask is not None and not mask.is_ready():
+        backend.fill_vocab_mask(mask, [None if r.finished() else r.grammar for r in reqs])

@@ -29,15 +29,15 @@ import torch
 
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
-from tandem.managers.io_struct import (
-    GenerateReqInput,
+from tandem.messages import (
     GetWeightsByNameReqInput,
     HostTensor,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsReq,
 )
-from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.model_executor.model_loader import check_model
 from tandem.server_args import ServerArgs
 from tandem.utils.process import configure_logging

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.entrypoints.streams import last_outputs
-from tandem.managers.forward_watchdog import forward_stuck_for
-from tandem.managers.io_struct import GenerateReqInput
-from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.scheduler.forward_watchdog import forward_stuck_for
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.utils.process import pid_alive
 
 HEALTH_CHECK_TIMEOUT_S = 20.0

@@ -37,8 +37,8 @@ from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, 
 from tandem.entrypoints.follower_node import run_follower_node
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.entrypoints.tokenizer_workers import serve_with_workers
-from tandem.managers.io_struct import GenerateReqInput
-from tandem.managers.tokenizer_manager import SchedulerTimeout, TokenizerManager
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.tokenizer_manager import SchedulerTimeout, TokenizerManager
 from tandem.metrics.collector import CONTENT_TYPE as METRICS_CONTENT_TYPE, enable_multiprocess_metrics
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils.process import (

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 import tandem
 from tandem.entrypoints.json_body import InvalidBody, parse_json_body
-from tandem.managers.io_struct import ProfileReq
+from tandem.messages import ProfileReq
 from tandem.model_executor.model_loader import load_config
 
 # How often /flush_cache?timeout=T retries while requests still run.

@@ -26,7 +26,7 @@ import uvicorn
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from typing import Any, Callable
 import zmq
 
 from tandem.distributed.placement import local_scheduler_ranks
-from tandem.managers.data_parallel_controller import PROCESS_NAME as DP_CONTROLLER, run_data_parallel_controller_process
-from tandem.managers.detokenizer_manager import run_detokenizer_process
+from tandem.data_parallel.controller import PROCESS_NAME as DP_CONTROLLER, run_data_parallel_controller_process
+from tandem.detokenizer.detokenizer_manager import run_detokenizer_process
 from tandem.entrypoints.health import EngineHealth
-from tandem.managers.forward_watchdog import new_forward_stamp
-from tandem.managers.io_struct import ReadyMessage
-from tandem.managers.scheduler import run_scheduler_process
+from tandem.scheduler.forward_watchdog import new_forward_stamp
+from tandem.messages import ReadyMessage
+from tandem.scheduler.scheduler import run_scheduler_process
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.ipc_dirs import remove_stale_ipc_dirs

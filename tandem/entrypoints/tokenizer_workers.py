@@ -24,7 +24,7 @@ from typing import Callable
 
 from tandem.entrypoints.shutdown import ABORT_FLUSH_S, CLOSE_TIMEOUT_S, STOP_SIGNALS, WORKER_DRAIN_SIGNAL
 from tandem.entrypoints.subprocesses import ServerProcesses
-from tandem.managers.multi_tokenizer import TokenizerRouter
+from tandem.tokenizer.multi_tokenizer import TokenizerRouter
 from tandem.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """SGLang's weight routes: POST /update_weights_from_disk and /get_weights_by_name.
 
-Both are control calls to the scheduler (managers/io_struct.py `ControlReq`); their
+Both are control calls to the scheduler (tandem/messages.py `ControlReq`); their
 bodies and responses are SGLang's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.entrypoints.json_body import InvalidBody, parse_json_body
-from tandem.managers.io_struct import GetWeightsByNameReqInput, UpdateWeightFromDiskReqInput
+from tandem.messages import GetWeightsByNameReqInput, UpdateWeightFromDiskReqInput
 
 
 def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:

@@ -21,7 +21,7 @@ from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.mem_cache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from tandem.managers.schedule_batch import Req
+    from tandem.scheduler.schedule_batch import Req
 
 
 class ReqKVManager:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tandem.managers.io_struct import ServerStateOutput
+from tandem.messages import ServerStateOutput
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,6 +1,6 @@
 """Sockets and serialization for the pipes between processes, in one place.
 
-Messages are the dataclasses of `tandem.managers.io_struct`, pickled (protocol 5).
+Messages are the dataclasses of `tandem.messages`, pickled (protocol 5).
 Measured for a BatchTokenIDOutput of 64 requests (one decode step) on the 2-core dev
 machine: pickle 10 us encode + 14 us decode (3.8 KB); msgspec msgpack with a typed
 decoder 3 us + 9 us (3.2 KB). Both are under 0.3% of a ~10 ms decode step, so pickle

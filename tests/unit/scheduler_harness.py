@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tandem.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
-from tandem.managers.scheduler import Scheduler
+from tandem.messages import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from tandem.scheduler.scheduler import Scheduler
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import ServerArgs
 
@@ -117,7 +117,7 @@ class SchedulerHarness:
         if not busy and len(s.grammar_queue):
             time.sleep(0.002)  # the loop's short wait while a grammar compiles
         self._collect()
-        return busy or bool(s.waiting_queue) or bool(len(s.grammar_queue))
+        return busy or bool(s.batches.waiting_queue) or bool(len(s.grammar_queue))
 
     def run_until_idle(self, max_steps: int = 10_000) -> dict[str, dict]:
         """Step until nothing runs; the finish reason of each request that finished meanwhile."""
@@ -143,7 +143,7 @@ class SchedulerHarness:
             assert extra == 1 or (not admitted and extra == 0), (rid, self.released[rid])
 
     def assert_memory_idle(self) -> None:
-        state = self.scheduler.server_state("check")
+        state = self.scheduler.control.server_state("check")
         assert state.num_running_reqs == state.num_waiting_reqs == 0
         assert state.free_kv_slots + state.evictable_cached_slots == state.max_total_num_tokens, state
         assert state.protected_cached_slots == 0, state

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import zmq
 
-from tandem.managers.data_parallel_controller import DataParallelController, LoadBalancer, ReplyCombiner
-from tandem.managers.io_struct import (
+from tandem.data_parallel.controller import DataParallelController, LoadBalancer, ReplyCombiner
+from tandem.messages import (
     AbortReq,
     DpFinishedReqs,
     DpReplicaReply,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from tandem.managers.finish_check import FinishChecker
-from tandem.managers.schedule_batch import Req
+from tandem.scheduler.finish_check import FinishChecker
+from tandem.scheduler.schedule_batch import Req
 from tandem.sampling.sampling_params import SamplingParams
 
 

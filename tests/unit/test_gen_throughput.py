@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.managers.throughput import GenThroughput
+from tandem.scheduler.throughput import GenThroughput
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""Tests for tandem.managers.incremental_detokenizer.
+"""Tests for tandem.detokenizer.incremental_detokenizer.
 
 Two small tokenizers are trained here from an embedded corpus (deterministic, <1 s):
   * "sp": SentencePiece-style BPE, Metaspace "▁", byte_fallback with <0x00>..<0xFF>,
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tandem.managers.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
-from tandem.managers.io_struct import DetokenizeParams
-from tandem.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+from tandem.detokenizer.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
+from tandem.messages import DetokenizeParams
+from tandem.scheduler.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 
 FFFD = "\ufffd"
 

@@ -26,7 +26,7 @@ from tandem.entrypoints.openai.serving_completions import (
     tokenize_prompts,
 )
 from tandem.entrypoints.openai.common import reject_unsupported
-from tandem.managers.text_encoder import TextEncoder
+from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.server_args import ServerArgs
 
 MODEL = "tiny"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from scheduler_harness import SchedulerHarness, loop_configurations
-from tandem.managers.forward_executor import ForwardStats
-from tandem.managers.future_map import FutureMap
+from tandem.scheduler.forward_executor import ForwardStats
+from tandem.scheduler.future_map import FutureMap
 
 PROMPT_LENS = [3, 9, 17, 30, 5, 44, 12, 7]
 
@@ -150,12 +150,12 @@ def test_abort_between_chunks_of_a_prompt(tiny_llama_dir, overlap):
     try:
         h.submit("long", input_ids=prompts(6)[5], stream=True, max_new_tokens=10)  # 44 tokens: 6 chunks
         h.step()
-        assert h.scheduler.chunked_req is not None
+        assert h.scheduler.batches.chunked_req is not None
         h.abort("long")
         h.run_until_idle()
         assert h.collected.finishes["long"] == {"type": "abort", "message": "aborted"}
         assert h.collected.ids["long"] == []
-        assert h.scheduler.chunked_req is None
+        assert h.scheduler.batches.chunked_req is None
         h.assert_released_once()
         h.assert_memory_idle()
     finally:

@@ -11,17 +11,17 @@ import shutil
 import pytest
 import zmq
 
-from tandem.managers.detokenizer_manager import DetokenizerManager
-from tandem.managers.io_struct import (
+from tandem.detokenizer.detokenizer_manager import DetokenizerManager
+from tandem.messages import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizeParams,
-    GenerateReqInput,
     ReqOutput,
     TokenizedGenerateReqInput,
 )
-from tandem.managers.tokenizer_manager import TokenizerManager
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from tandem.entrypoints.json_body import InvalidBody, parse_json_body
 from tandem.entrypoints.limits import BodySizeLimit
-from tandem.managers.text_encoder import TextEncoder
+from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.utils.tokenizer import max_chars_per_token
 
 # ---- JSON bodies ------------------------------------------------------------------------

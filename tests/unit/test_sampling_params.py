@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.managers.io_struct import MAX_RID_LENGTH, GenerateReqInput
+from tandem.entrypoints.native_protocol import MAX_RID_LENGTH, GenerateReqInput
 from tandem.sampling.sampling_params import SamplingParams
 
 

@@ -146,14 +146,14 @@ def test_chunked_prefill_size_bounds_the_whole_prefill_batch(tiny_llama_dir, mon
     h = open_harness(tiny_llama_dir, "normal", chunked_prefill_size=8)
     try:
         sizes = []
-        form = h.scheduler.get_new_prefill_batch
+        form = h.scheduler.batches.get_new_prefill_batch
 
-        def recording():
-            batch = form()
+        def recording(*args):
+            batch = form(*args)
             if batch is not None:
                 sizes.append(list(batch.extend_lens))
             return batch
-        monkeypatch.setattr(h.scheduler, "get_new_prefill_batch", recording)
+        monkeypatch.setattr(h.scheduler.batches, "get_new_prefill_batch", recording)
         run(h, [[5 + i, 6, 7, 8, 9] for i in range(5)], {"temperature": 0, "max_new_tokens": 2})
         assert sizes and all(sum(s) <= 8 for s in sizes), sizes
         assert sizes[0] == [5, 3], sizes  # the second request chunked to fill the forward

@@ -16,7 +16,7 @@ from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.streams import Refused, last_outputs, refusal
 from tandem.entrypoints.streams import admitted_streams as _admitted_streams
 from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.entrypoints.native_protocol import GenerateReqInput
 
 SSE_DONE = b"data: [DONE]\n\n"
 # OpenAI reports -9999.0 where a logprob is -inf (JSON has no infinity).

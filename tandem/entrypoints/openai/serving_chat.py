@@ -32,8 +32,8 @@ from tandem.entrypoints.openai.protocol import (
 )
 from tandem.entrypoints.openai.tool_calls import ToolCallSetup, delta_tool_call_of, resolve_tools, tool_call_of
 from tandem.function_call.base_format_detector import BaseFormatDetector
-from tandem.managers.io_struct import GenerateReqInput
-from tandem.managers.text_encoder import TextEncoder
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
 _PROMPT_FIELD = {"text/input_ids": "messages", "input_ids": "messages", "text": "messages"}

@@ -26,8 +26,8 @@ from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json
 from tandem.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
 )
-from tandem.managers.io_struct import GenerateReqInput
-from tandem.managers.text_encoder import TextEncoder
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16

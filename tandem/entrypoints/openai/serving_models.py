@@ -6,7 +6,7 @@ from __future__ import annotations
 from tandem.entrypoints.openai.common import served_model_names
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
 from tandem.entrypoints.openai.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from tandem.managers.text_encoder import TextEncoder
+from tandem.tokenizer.text_encoder import TextEncoder
 
 
 def model_card(server_args, context_len: int | None, gguf: dict | None = None) -> ModelCard:

@@ -29,7 +29,7 @@ from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json
 from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
 from tandem.entrypoints.streams import merge_streams
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.entrypoints.native_protocol import GenerateReqInput
 
 logger = logging.getLogger(__name__)
 # SGLang's default temperature for /v1/responses.

@@ -21,7 +21,7 @@ from tandem.entrypoints.openai.common import raise_if_refused
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
 from tandem.entrypoints.openai.protocol import ScoringRequest, ScoringResponse, UsageInfo
 from tandem.entrypoints.streams import last_outputs
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.entrypoints.native_protocol import GenerateReqInput
 
 
 @dataclass

@@ -29,7 +29,7 @@ from tandem.function_call.constraint import get_json_schema_constraint
 from tandem.function_call.core_types import ToolCallItem
 from tandem.function_call.function_call_parser import ToolCallParserEnum
 from tandem.function_call.json_array_parser import JsonArrayParser, NamedFunctionParser
-from tandem.managers.io_struct import GenerateReqInput
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.sampling.sampling_params import GRAMMAR_FIELDS
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tandem.managers.io_struct import BatchTokenIDOutput, ReqOutput
-from tandem.managers.schedule_batch import Req
+from tandem.messages import BatchTokenIDOutput, ReqOutput
+from tandem.scheduler.schedule_batch import Req
 
 
 def build_batch_output(reqs: list[Req], stream_interval: int, weight_version: str,

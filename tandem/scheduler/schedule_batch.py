@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from tandem import finish_reason
 from tandem.layers.sampler import SamplingBatchInfo
-from tandem.managers.future_map import FutureMap
-from tandem.managers.io_struct import DetokenizeParams
+from tandem.scheduler.future_map import FutureMap
+from tandem.messages import DetokenizeParams
 from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
@@ -106,6 +107,35 @@ class Req:
             return self.output_ids
         assert self.pending_tokens == 1, "at most one forward of a request is pending"
         return self.output_ids + [FutureMap.placeholder(self.req_pool_idx)]
+
+    # ---- applying a forward's result (the scheduler's process_batch_result) ----------
+    def accept_token(self, token_id: int) -> None:
+        """Append a sampled output token; its grammar (if any) advances by it."""
+        self.output_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
+
+    def record_input_logprobs(self, logprobs) -> None:
+        """The prompt's logprobs from logprob_start_len on (one prefill's `InputLogprobs`)."""
+        ids = self.origin_input_ids[self.logprob_start_len :]
+        self.input_token_logprobs = list(zip(logprobs.token_logprobs, ids))
+        self.input_top_logprobs = logprobs.top_logprobs
+        self.input_token_ids_logprobs = logprobs.token_ids_logprobs
+
+    def record_output_logprobs(self, result, i: int, token_id: int | None) -> None:
+        """The logprobs of the position after this request's last token, row `i` of a
+        `HostBatchResult`; `token_id` is the token sampled there (None for a prefill-only
+        request, which gets the top and chosen-id logprobs but no token, as in SGLang)."""
+        if token_id is not None:
+            self.output_token_logprobs.append((result.next_token_logprobs[i], token_id))
+        self.output_top_logprobs.append(result.next_top_logprobs[i])
+        if self.token_ids_logprob is not None:
+            self.output_token_ids_logprobs.append(result.next_token_ids_logprobs[i])
+
+    def abort_reason(self) -> dict[str, Any] | None:
+        """The abort finish when an abort came while this request was in a batch
+        (`to_abort`), else None."""
+        return None if self.to_abort is None else finish_reason.abort(self.to_abort)
 
     def detokenize_params(self) -> DetokenizeParams:
         sp = self.sampling_params

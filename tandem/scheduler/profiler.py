@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from tandem.managers.io_struct import ProfileReq, ProfileReqOutput
+from tandem.messages import ProfileReq, ProfileReqOutput
 
 logger = logging.getLogger(__name__)
 

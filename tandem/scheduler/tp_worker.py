@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.logits_processor import InputLogprobs, LogitsProcessorOutput
-from tandem.managers.future_map import FutureMap
-from tandem.managers.schedule_batch import ModelWorkerBatch
+from tandem.scheduler.future_map import FutureMap
+from tandem.scheduler.schedule_batch import ModelWorkerBatch
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.server_args import ServerArgs
 

@@ -30,8 +30,9 @@ import zmq
 import zmq.asyncio
 
 import tandem
+from tandem import finish_reason
 from tandem.constrained.grammar_key import verify_grammar
-from tandem.managers.io_struct import (
+from tandem.messages import (
     AbortLabelReq,
     AbortReq,
     BatchStrOutput,
@@ -40,11 +41,9 @@ from tandem.managers.io_struct import (
     ControlReq,
     FlushCacheOutput,
     FlushCacheReq,
-    GenerateReqInput,
     GetServerStateReq,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
-    INTERNAL_ERROR_STATUS,
     ProfileReq,
     ProfileReqOutput,
     ReqOutput,
@@ -52,12 +51,12 @@ from tandem.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsReq,
-    error_finish_reason,
 )
-from tandem.managers.multi_tokenizer import rid_prefix
+from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.tokenizer.multi_tokenizer import rid_prefix
 from tandem.metrics.collector import TokenizerMetricsCollector
 from tandem.metrics.request_logger import RequestLogger
-from tandem.managers.text_encoder import TextEncoder
+from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -124,7 +123,7 @@ class TokenizerManager:
         # the label of an n > 1 request for all its samples (whose own labels are "{rid}-{i}").
         self.label_to_rids: dict[str, list[str]] = {}
         # Internal ids are "{prefix}-{counter}"; the prefix starts with the worker's number,
-        # so that outputs find their owner (managers/multi_tokenizer.py).
+        # so that outputs find their owner (tandem/tokenizer/multi_tokenizer.py).
         self.worker_id = worker_id
         self._rid_prefix = rid_prefix(worker_id or 0)
         self._rid_counter = itertools.count()
@@ -464,7 +463,7 @@ class TokenizerManager:
         meta["weight_version"] = out.weight_version
         state.pending.append((out.text_delta, out.new_token_ids, deltas, meta))
         state.finished = finished is not None
-        if finished is not None and finished.get("status_code") == INTERNAL_ERROR_STATUS:
+        if finished is not None and finished.get("status_code") == finish_reason.INTERNAL_ERROR_STATUS:
             self._send_abort(state.rid)  # failed in the detokenizer: the scheduler may still run it
 
     def _observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
@@ -507,7 +506,7 @@ class TokenizerManager:
         logger.error("request %s (rid %s) failed while %s:\n%s", state.rid, state.label, where, traceback.format_exc())
         state.finished = True
         self._send_abort(state.rid)
-        return error_finish_reason(where, exc)
+        return finish_reason.internal_error(where, exc)
 
     def _with_text(self, pairs: list, state: ReqState) -> list[list]:
         """(logprob, id) pairs -> SGLang's [logprob, id, text or None] triples."""

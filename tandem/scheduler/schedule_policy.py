@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.managers.schedule_batch import Req
+from tandem.scheduler.schedule_batch import Req
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
 

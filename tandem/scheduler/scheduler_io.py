@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import zmq
 
 from tandem.distributed import TpGroup
-from tandem.managers.io_struct import DpFinishedReqs, DpReplicaReply
+from tandem.messages import DpFinishedReqs, DpReplicaReply
 from tandem.server_args import PortArgs
 from tandem.utils import zmq_io
 

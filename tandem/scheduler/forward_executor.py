@@ -8,6 +8,9 @@ that thread issues its kernels on its own stream, after an event recorded at lau
 (the scheduler's writes of KV slots and rows come first). Forwards run one at a time in
 launch order in both, which is what `FutureMap` relies on.
 
+`BatchLauncher` is the scheduler's side of it: it snapshots a batch, gives it its vocab
+mask, launches it on the executor and waits for its result under the watchdog.
+
 `ForwardStats` measures, per forward, how long it computed (busy) and how long the
 forward lane sat idle waiting for the scheduler before it (idle); a gap after the
 scheduler had nothing to run is not counted.
@@ -22,11 +25,15 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
-from tandem.managers.schedule_batch import ModelWorkerBatch
-from tandem.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from tandem.constrained.vocab_mask import batch_vocab_mask, fill_when_due
+from tandem.scheduler.forward_watchdog import ForwardWatchdog
+from tandem.scheduler.profiler import SchedulerProfiler
+from tandem.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
+from tandem.scheduler.tp_worker import GenerationBatchResult, HostBatchResult, TpModelWorker
 from tandem.utils.cpu_threads import ComputeThreads
 
 logger = logging.getLogger(__name__)
@@ -136,3 +143,55 @@ class ForwardThread(ForwardExecutor):
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch whose forward was launched; its result arrives through `future`."""
+
+    batch: ScheduleBatch
+    mwb: ModelWorkerBatch
+    future: "Future[GenerationBatchResult]"
+
+
+class BatchLauncher:
+    """Launch a batch's forward and wait for its result, on either executor."""
+
+    def __init__(self, executor: ForwardExecutor, watchdog: ForwardWatchdog, profiler: SchedulerProfiler,
+                 grammar_backend, vocab_size: int, device: str):
+        self.executor = executor
+        self.watchdog = watchdog
+        self.profiler = profiler
+        self.grammar_backend = grammar_backend
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def launch(self, batch: ScheduleBatch, fill_vocab_mask: bool = True) -> LaunchedBatch:
+        """Snapshot `batch` (advancing its requests' lengths) and start its forward. A batch
+        with constrained requests carries a vocab mask, filled now unless `fill_vocab_mask`
+        is False (then `fill_vocab_mask` later: the worker's sampling waits for it)."""
+        mwb = batch.launch(self.vocab_size, self.device)
+        mwb.vocab_mask = batch_vocab_mask(self.grammar_backend, batch.reqs, fill_vocab_mask)
+        return LaunchedBatch(batch, mwb, self.executor.launch(mwb))
+
+    def fill_vocab_mask(self, launched: LaunchedBatch) -> None:
+        """Fill `launched`'s vocab mask if it was left for later (see `fill_when_due`)."""
+        fill_when_due(self.grammar_backend, launched.mwb.vocab_mask, launched.batch.reqs)
+
+    def wait(self, launched: LaunchedBatch) -> HostBatchResult:
+        """The result of a launched forward, on the host (the overlap loop)."""
+        self.fill_vocab_mask(launched)  # never wait on a sampler that waits for its mask
+        with self.watchdog.watching(launched.batch):
+            launched.future.result()
+        return self._host_result(launched)
+
+    def run(self, batch: ScheduleBatch) -> HostBatchResult:
+        """Launch `batch` and wait for its result (the normal loop: the forward runs inside
+        `launch`, so the watchdog watches that)."""
+        with self.watchdog.watching(batch):
+            launched = self.launch(batch)
+        return self._host_result(launched)
+
+    def _host_result(self, launched: LaunchedBatch) -> HostBatchResult:
+        self.profiler.step()
+        return launched.future.result().to_host(launched.mwb)

@@ -105,7 +105,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tandem.managers.io_struct import DetokenizeParams
+from tandem.messages import DetokenizeParams
 
 REPLACEMENT_CHAR = "\ufffd"
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")

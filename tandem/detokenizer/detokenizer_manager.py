@@ -15,15 +15,15 @@ import traceback
 
 import zmq
 
-from tandem.managers.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
-from tandem.managers.io_struct import (
+from tandem import finish_reason
+from tandem.detokenizer.incremental_detokenizer import IncrementalDetokenizer, byte_fallback_token_ids
+from tandem.messages import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizeParams,
     ReadyMessage,
-    error_finish_reason,
 )
-from tandem.managers.multi_tokenizer import OutputSender
+from tandem.tokenizer.multi_tokenizer import OutputSender
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.process import (
@@ -66,7 +66,7 @@ class DetokenizerManager:
                 self.states.pop(record.rid, None)
                 text = ""
                 if finished is None or finished["type"] != "abort":  # an abort already says why
-                    finished = error_finish_reason("detokenizing its output", e)
+                    finished = finish_reason.internal_error("detokenizing its output", e)
             out.outputs.append(dataclasses.replace(record, text_delta=text, finished_reason=finished,
                                                    detokenize_params=None))
         return out

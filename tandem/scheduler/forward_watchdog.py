@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from tandem.managers.schedule_batch import ScheduleBatch
+from tandem.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from tandem.managers.io_struct import (
+from tandem.messages import (
     AbortReq,
     ControlOutput,
     ControlReq,

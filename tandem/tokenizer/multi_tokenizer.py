@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from tandem.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+from tandem.messages import BatchStrOutput, BatchTokenIDOutput
 from tandem.server_args import PortArgs
 from tandem.utils import zmq_io
 

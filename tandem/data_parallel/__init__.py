@@ -1,0 +1,2 @@
+"""The data-parallel controller (--dp-size > 1): its own subprocess between the tokenizer side
+and the replicas' schedulers."""

@@ -1,0 +1,134 @@
+"""Batch formation: which requests the next forward runs.
+
+`BatchFormer` owns the scheduler's queues: the waiting queue, the running set, and the
+request whose prompt is prefilled chunk by chunk. Prefill (EXTEND) batches have priority,
+except that a decode step of the running requests follows every chunk of a chunked
+prefill, so decode never stalls behind a long prompt. Under --enable-mixed-chunk the
+running requests ride along in the prefill instead, one token each.
+
+Memory: admission (`schedule_policy.PrefillAdder`) reserves an estimate of the KV that
+admitted requests will still need. When a decode step finds no free slot anyway, the
+running requests that lose least are retracted: their KV is released (into the prefix
+cache) and they return to the front of the queue with their outputs kept, to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from tandem.forward_batch import ForwardMode
+from tandem.mem_cache.req_kv import ReqKVManager
+from tandem.scheduler.schedule_batch import Req, ScheduleBatch
+from tandem.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
+from tandem.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class BatchFormer:
+    def __init__(self, server_args: ServerArgs, kv: ReqKVManager, max_running_requests: int):
+        self.kv = kv
+        self.policy = SchedulePolicy(server_args.schedule_policy, kv)
+        self.new_token_ratio = NewTokenRatio()
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = server_args.max_prefill_tokens
+        self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+        self.mixed_chunk = server_args.enable_mixed_chunk
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        # The request whose prompt is being prefilled chunk by chunk (not yet running).
+        self.chunked_req: Req | None = None
+        self.last_batch_was_chunk = False
+
+    def next_batch(self, admit: bool, make_room: Callable[[], bool]) -> ScheduleBatch | None:
+        """The next batch to run, or None. `admit` False pauses admission of waiting
+        requests (a weight update is pending); `make_room` processes the result in flight,
+        if any (True), which may free KV before a decode step retracts a request."""
+        decode_due = self.last_batch_was_chunk and self.running
+        prefill = None if decode_due else self.get_new_prefill_batch(admit)
+        self.last_batch_was_chunk = False
+        if prefill is not None:
+            self.last_batch_was_chunk = self.chunked_req is not None
+            if self.mixed_chunk and self.running:
+                self._mix_in_running(prefill)
+            return prefill
+        if not self.running:
+            return None
+        return self.prepare_decode_batch(make_room)
+
+    def _mix_in_running(self, batch: ScheduleBatch) -> None:
+        """Append the running requests to a prefill batch, one token each (SGLang's mixed
+        chunk): one forward reads the weights for both. When their slots do not fit, the
+        batch stays a plain prefill and the next decode step retracts as usual."""
+        slots = self.kv.alloc_decode(self.running)
+        if slots is None:
+            return
+        self.new_token_ratio.step()
+        batch.mix_in_decodes(self.running, slots)
+        self.last_batch_was_chunk = False  # the running requests have had their step
+
+    def get_new_prefill_batch(self, admit: bool = True) -> ScheduleBatch | None:
+        """Continue the chunked request, then admit waiting requests while KV fits."""
+        if self.chunked_req is None and not self.waiting_queue:
+            return None
+        adder = PrefillAdder(self.kv, self.new_token_ratio.value, self.running, self.max_running_requests,
+                             self.max_prefill_tokens, self.chunk_size)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        if admit:
+            adder.add_waiting(self.policy.order(self.waiting_queue))
+        if not adder.reqs:
+            return None
+        if adder.chunked_req is not None:
+            self.chunked_req = adder.chunked_req
+        taken = {id(r) for r in adder.reqs}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in taken]
+        batch = ScheduleBatch(reqs=adder.reqs, forward_mode=ForwardMode.EXTEND, extend_lens=adder.extend_lens)
+        batch.out_cache_loc = self.kv.alloc_extend(adder.reqs, adder.extend_lens)
+        return batch
+
+    def prepare_decode_batch(self, make_room: Callable[[], bool]) -> ScheduleBatch | None:
+        """A decode batch of the running requests, retracting some if memory is short
+        (after `make_room`, which may free some)."""
+        self.new_token_ratio.step()
+        while self.running:
+            slots = self.kv.alloc_decode(self.running)
+            if slots is not None:
+                return ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, out_cache_loc=slots)
+            if not make_room():
+                self.retract_one()
+        return None
+
+    def retract_one(self) -> None:
+        """Send back the request that loses least: fewest generated tokens, then the longest
+        prompt (it frees the most); a half-prefilled chunked request counts too. Its KV goes
+        to the prefix cache, its outputs are kept, and it resumes from the queue later.
+
+        A request alone always fits (max_new_tokens is capped by the pool), so with one
+        running request and nothing else holding KV this is never reached."""
+        candidates = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        if len(candidates) <= 1:
+            raise RuntimeError("out of KV memory with a single request; --max-total-tokens is too small")
+        victim = min(candidates, key=lambda r: (len(r.output_ids), -r.prompt_len))
+        if victim is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running = [r for r in self.running if r is not victim]
+        self.kv.release(victim)
+        victim.retractions += 1
+        self.waiting_queue.insert(0, victim)
+        self.new_token_ratio.on_retract()
+        logger.info("retracted request %s (%d outputs) under memory pressure", victim.rid, len(victim.output_ids))
+
+    def take_waiting(self, match: Callable[[Req], bool]) -> list[Req]:
+        """Take out (and return) the waiting requests that `match`."""
+        taken = [r for r in self.waiting_queue if match(r)]
+        self.waiting_queue = [r for r in self.waiting_queue if not match(r)]
+        return taken
+
+    def drop_finished(self) -> None:
+        """Finished requests leave the running set and the chunk slot."""
+        self.running = [r for r in self.running if not r.finished()]
+        if self.chunked_req is not None and self.chunked_req.finished():
+            self.chunked_req = None

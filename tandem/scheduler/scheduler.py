@@ -1,0 +1,391 @@
+"""The scheduler process: continuous batching around one model worker.
+
+The loop; both variants share batch forming (`BatchFormer.next_batch`) and result
+processing (`process_batch_result`):
+    normal:   recv -> batch = next batch -> result = run(batch) -> process_batch_result
+    overlap:  recv -> batch = next batch -> launch(batch) on the forward thread
+              -> process the PREVIOUS batch's result while this one computes
+Each request that finishes ends in one place (`_end`): its KV goes to the prefix cache (or
+back to the pool with --disable-radix-cache) and it leaves the running set once reported.
+
+Where the rest lives: which requests run next, admission and retraction in
+batch_former.py (with schedule_policy.py); launching a forward and waiting for it in
+forward_executor.py; control calls and weight updates in control.py; a request's own
+state and how a result advances it in schedule_batch.py; its KV in mem_cache/req_kv.py.
+
+Constrained requests (tandem/constrained) wait in the grammar queue until their grammar
+has compiled; a batch holding any carries a vocab mask, filled from their matchers once
+every earlier result is processed (under overlap, while the batch computes: delayed
+sampling), and each accepted token advances the matcher.
+
+Failure is isolated per request: a message or a result whose handling raises ends only
+its own request, with a 500 finish (`finish_reason.internal_error`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import sys
+import traceback
+from typing import Any
+
+import zmq
+
+from tandem import finish_reason
+from tandem.constrained.grammar_queue import GrammarQueue
+from tandem.constrained.xgrammar_backend import XGrammarBackend
+from tandem.distributed import init_tp_group, is_peer_failure
+from tandem.distributed.placement import SchedulerRank, describe_other_nodes, gpu_id, init_method
+from tandem.mem_cache.chunk_cache import ChunkCache
+from tandem.mem_cache.radix_cache import RadixCache
+from tandem.mem_cache.req_kv import ReqKVManager
+from tandem.messages import AbortReq, ReadyMessage, TokenizedGenerateReqInput
+from tandem.sampling.sampling_params import SamplingParams
+from tandem.scheduler.batch_former import BatchFormer
+from tandem.scheduler.control import SchedulerControl
+from tandem.scheduler.finish_check import FinishChecker
+from tandem.scheduler.forward_executor import BatchLauncher, ForwardExecutor, ForwardThread, LaunchedBatch
+from tandem.scheduler.forward_watchdog import ForwardWatchdog
+from tandem.scheduler.profiler import SchedulerProfiler
+from tandem.scheduler.schedule_batch import Req, ScheduleBatch
+from tandem.scheduler.scheduler_io import SchedulerIOBase, make_scheduler_io
+from tandem.scheduler.scheduler_output import build_batch_output
+from tandem.scheduler.throughput import GenThroughput
+from tandem.scheduler.tp_worker import HostBatchResult, TpModelWorker
+from tandem.server_args import PortArgs, ServerArgs
+from tandem.utils import zmq_io
+from tandem.utils.process import (
+    configure_logging, ignore_stop_signals, report_scheduler_failure, set_parent_death_signal, set_process_title,
+)
+from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# How long an idle scheduler blocks waiting for input, in milliseconds; and while a
+# grammar compiles (nothing else to run).
+IDLE_POLL_MS = 1000
+GRAMMAR_POLL_MS = 2
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, io: SchedulerIOBase, worker: TpModelWorker | None = None,
+                 tp_rank: int = 0, forward_stamp: Any = None, dp_rank: int | None = None):
+        """`io` receives and sends every message; `worker` runs the forwards (built from
+        `server_args` when not given: tests inject their own)."""
+        self.server_args = server_args
+        self.io = io
+        self.worker = worker if worker is not None else TpModelWorker(
+            server_args, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        runner = self.worker.model_runner
+        self.max_running_requests = runner.max_running_requests
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.context_len = runner.context_len
+        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
+        self.finish_checker = FinishChecker(
+            self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
+        # Constrained decoding: requests wait in the grammar queue until their grammar compiled.
+        self.grammar_backend = None
+        if server_args.grammar_backend == "xgrammar" and self.tokenizer is not None:
+            self.grammar_backend = XGrammarBackend(
+                self.tokenizer, runner.vocab_size, sorted(self.finish_checker.eos_token_ids),
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace)
+        self.grammar_queue = GrammarQueue(self.grammar_backend, blocking=server_args.tp_size > 1)
+
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(runner.token_to_kv_pool)
+        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree_cache)
+        self.batches = BatchFormer(server_args, self.kv, self.max_running_requests)
+
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        executor_cls = ForwardThread if self.enable_overlap else ForwardExecutor
+        # The scheduler processes sharing this machine's cores (every replica's ranks on this node).
+        self.executor = executor_cls(self.worker, ranks=server_args.dp_size * server_args.tp_size // server_args.nnodes)
+        # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
+        self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
+        self.profiler = SchedulerProfiler(tp_rank, dp_rank)
+        self.launcher = BatchLauncher(self.executor, self.watchdog, self.profiler, self.grammar_backend,
+                                      runner.vocab_size, runner.device)
+        # Overlap loop: the launched batch whose result is not processed yet.
+        self.inflight: LaunchedBatch | None = None
+        self.control = SchedulerControl(self)
+        self.num_finished_reqs = 0
+        self.gen_throughput = GenThroughput()  # output tokens per second, for /v1/loads
+
+    def info(self) -> dict:
+        """Resolved capacities reported to the parent at start-up."""
+        runner = self.worker.model_runner
+        gguf = getattr(runner.config, "gguf", None)  # the GGUF file(s) and tensor types, if any
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_length": self.context_len,
+            "vocab_size": runner.vocab_size,
+            "eos_token_ids": sorted(self.finish_checker.eos_token_ids),
+            **({"gguf": gguf} if gguf else {}),
+        }
+
+    # ---- the loops -----------------------------------------------------------------
+    def event_loop(self) -> None:
+        """The overlap loop, or the normal one under --disable-overlap-schedule."""
+        while True:
+            self.process_input_requests(self.recv_requests())
+            self.control.update_weights_when_idle()
+            if not self.step():
+                self.executor.stats.mark_idle()
+                self.io.wait(GRAMMAR_POLL_MS if len(self.grammar_queue) else IDLE_POLL_MS)
+
+    def step(self) -> bool:
+        """One step of the selected loop after its input; False when there was no work."""
+        return self.step_overlap() if self.enable_overlap else self.step_normal()
+
+    def next_batch(self) -> ScheduleBatch | None:
+        return self.batches.next_batch(admit=not self.control.admission_paused(), make_room=self.sync_inflight)
+
+    def step_normal(self) -> bool:
+        """event_loop_normal's step: form a batch, run it, process its result."""
+        batch = self.next_batch()
+        if batch is None:
+            return False
+        self.process_batch_result(batch, self.launcher.run(batch))
+        return True
+
+    def step_overlap(self) -> bool:
+        """event_loop_overlap's step: launch batch N, then process batch N-1's result
+        while N computes. A prefill's result is processed before the next batch is
+        formed: its requests decode from it, and two prefills in a row keep their first
+        tokens prompt (SGLang's rule)."""
+        if self.inflight is not None and self.inflight.batch.forward_mode.is_extend():
+            self.sync_inflight()
+        batch = self.next_batch()
+        previous, self.inflight = self.inflight, None
+        if batch is not None:
+            # Delayed sampling: with a result pending, the grammars have not seen its
+            # tokens yet; its processing fills the mask while `batch` computes.
+            self.inflight = self.launcher.launch(batch, fill_vocab_mask=previous is None)
+        if previous is not None:
+            self.process_batch_result(previous.batch, self.launcher.wait(previous))
+        return batch is not None or previous is not None
+
+    def sync_inflight(self) -> bool:
+        """Process the result in flight now (what comes next depends on it); False if none."""
+        launched, self.inflight = self.inflight, None
+        if launched is None:
+            return False
+        self.process_batch_result(launched.batch, self.launcher.wait(launched))
+        return True
+
+    # ---- input ---------------------------------------------------------------------
+    def recv_requests(self) -> list:
+        return self.io.recv()
+
+    def process_input_requests(self, reqs: list) -> None:
+        """Handle each message; one that raises ends only its own request."""
+        for msg in reqs:
+            try:
+                self.handle_input(msg)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                self._input_failed(msg, e)
+        self.move_ready_grammar_requests()
+
+    def handle_input(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.handle_generate_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.handle_abort(msg)
+        elif self.control.handles(msg):
+            self.control.handle(msg)
+        else:
+            logger.error("scheduler got an unknown message %r", type(msg))
+
+    def _input_failed(self, msg, exc: Exception) -> None:
+        """A request whose input raised finishes at once with an error; a control message
+        that raised is logged (its caller times out)."""
+        if not isinstance(msg, TokenizedGenerateReqInput):
+            logger.error("handling %s failed:\n%s", type(msg).__name__, traceback.format_exc())
+            return
+        req = Req(rid=msg.rid, origin_input_ids=[], sampling_params=SamplingParams())
+        self._fail(req, "handling its input", exc)
+        self.send_outputs([req])
+
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
+                  stream=msg.stream, return_logprob=msg.return_logprob,
+                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
+                  token_ids_logprob=msg.token_ids_logprob)
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.batches.waiting_queue) + len(self.grammar_queue) >= limit:
+            req.finished_reason = finish_reason.abort(f"the server is busy: {limit} requests are already waiting", 503)
+            self.send_outputs([req])
+            return
+        sp = req.sampling_params
+        # The tokenizer manager has rejected prompts that cannot fit the context or the
+        # KV pool; the output is capped so that one request alone always fits both.
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len,
+                                self.max_total_num_tokens - req.prompt_len)
+        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        if sp.min_new_tokens > 0:
+            # A grammar ends only with EOS (its stop token), so it decides where the output ends.
+            eos = set() if sp.ignore_eos or sp.grammar_key() is not None else self.finish_checker.eos_token_ids
+            req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
+        if sp.grammar_key() is None:
+            self.batches.waiting_queue.append(req)
+        elif self.grammar_backend is None:  # the tokenizer manager refuses these first
+            req.finished_reason = finish_reason.abort("structured output is disabled on this server", 400)
+            self.send_outputs([req])
+        else:
+            self.grammar_queue.add(req)
+
+    def move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose grammar
+        failed (or timed out) finish with a 400."""
+        if not len(self.grammar_queue):
+            return
+        ready, failed = self.grammar_queue.pop_ready()
+        self.batches.waiting_queue.extend(ready)
+        if failed:
+            self.send_outputs(failed)
+
+    def handle_abort(self, msg: AbortReq) -> None:
+        """Waiting requests that match end now; running ones at their next result."""
+        def match(req: Req) -> bool:
+            return msg.abort_all or req.rid == msg.rid
+
+        aborted = self.batches.take_waiting(match) + self.grammar_queue.remove(match)
+        for req in aborted:
+            req.finished_reason = finish_reason.abort(msg.message)
+            self._end(req)  # a retracted request holds no KV; this is a no-op then
+        if aborted:
+            self.send_outputs(aborted)
+        for req in self.active_reqs():
+            if match(req):
+                req.to_abort = msg.message
+
+    def active_reqs(self) -> list[Req]:
+        """Unfinished requests that hold or are computing KV: running, chunked, and the
+        newly admitted ones of a prefill still in flight."""
+        reqs = {id(r): r for r in self.batches.running}
+        if self.batches.chunked_req is not None:
+            reqs[id(self.batches.chunked_req)] = self.batches.chunked_req
+        if self.inflight is not None:
+            reqs.update((id(r), r) for r in self.inflight.batch.reqs if not r.finished())
+        return list(reqs.values())
+
+    # ---- results -------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        """Advance every request of the batch by its result; one whose processing raises
+        (finish check, stop-string decode, ...) ends alone with an error. A request that
+        finished after this batch was launched (overlap) is skipped: its extra token is
+        dropped, and its KV was released when it finished."""
+        advanced = []
+        generated = 0
+        for i, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
+            advanced.append(req)
+            before = len(req.output_ids)
+            try:
+                self._apply_result(batch, result, i)
+            except Exception as e:  # noqa: BLE001 - the second wall
+                self._fail(req, "processing its output", e)
+            if req.finished():
+                self._end(req)
+            generated += len(req.output_ids) - before
+        self.gen_throughput.add(generated)
+        if self.inflight is not None:  # delayed sampling: its sampler waits for the mask, not for our outputs
+            self.launcher.fill_vocab_mask(self.inflight)
+        self.send_outputs(advanced)
+
+    def _apply_result(self, batch: ScheduleBatch, result: HostBatchResult, i: int) -> None:
+        """Advance batch.reqs[i] by its row of `result`: a chunk of a longer prompt caches its
+        KV; otherwise its token is accepted and the finish checked. A request that finished
+        here is ended by the caller; one that just completed its prefill starts running."""
+        req, token_id = batch.reqs[i], result.next_token_ids[i]
+        prefilling = batch.is_prefill(i)  # False for running requests mixed into a prefill
+        if prefilling and result.input_logprobs and result.input_logprobs[i] is not None:
+            req.record_input_logprobs(result.input_logprobs[i])
+        if prefilling and req.kv_len < req.seq_len:  # a chunk of a longer prompt
+            self.kv.cache_unfinished(req)
+            req.finished_reason = req.abort_reason()
+            return
+        req.pending_tokens -= 1
+        if req is self.batches.chunked_req:
+            self.batches.chunked_req = None
+        if prefilling:
+            self.kv.cache_unfinished(req)
+        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs, /v1/score)
+            if req.return_logprob:
+                req.record_output_logprobs(result, i, token_id=None)
+            req.finished_reason = finish_reason.length(0)
+            return
+        req.accept_token(token_id)
+        if req.return_logprob:
+            req.record_output_logprobs(result, i, token_id)
+        req.finished_reason = req.abort_reason() or self.finish_checker.check(req)
+        if prefilling and not req.finished():
+            self.batches.running.append(req)
+
+    def _fail(self, req: Req, where: str, exc: Exception) -> None:
+        """`req` ends alone with an error finish after handling it raised."""
+        logger.error("request %s failed while %s:\n%s", req.rid, where, traceback.format_exc())
+        req.finished_reason = finish_reason.internal_error(where, exc)
+
+    def _end(self, req: Req) -> None:
+        """Where a finished request ends: its KV released (a no-op if it holds none or was
+        already released). It leaves the running set and the chunk slot in `send_outputs`."""
+        self.kv.release(req)
+
+    # ---- output --------------------------------------------------------------------
+    def send_outputs(self, reqs: list[Req]) -> None:
+        """One BatchTokenIDOutput for every request of `reqs` that has something due;
+        finished requests leave the running set."""
+
+        def failed(req: Req, exc: Exception) -> None:
+            self._fail(req, "building its output", exc)
+            self._end(req)
+
+        out = build_batch_output(reqs, self.server_args.stream_interval, self.control.weight_version, failed)
+        self.batches.drop_finished()
+        if out is not None:
+            self.num_finished_reqs += sum(o.finished_reason is not None for o in out.outputs)
+            self.io.send_output(out)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank: SchedulerRank = SchedulerRank(0),
+                          forward_stamp: Any = None) -> None:
+    """Entry of the scheduler subprocess of `rank`: set up, report readiness, then loop
+    until the parent ends it (SIGKILL). A crash, a forward past --watchdog-timeout, or a
+    collective that fails because another rank (or node) is gone brings the server down
+    (`report_scheduler_failure`)."""
+    name = rank.name
+    set_parent_death_signal()
+    set_process_title(f"tandem::{name}")
+    configure_logging(server_args.log_level, name.replace("_", " "))
+    faulthandler.register(signal.SIGUSR1)
+    ignore_stop_signals()  # the parent drains, then ends us
+    ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
+    try:
+        tp = init_tp_group(rank.tp_rank, server_args.tp_size, server_args.device,
+                           init_method(server_args, port_args.ipc_dir, rank.dp_rank), gpu_id(server_args, rank),
+                           timeout_s=server_args.watchdog_timeout)
+        io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp, rank.dp_rank)
+        scheduler = Scheduler(server_args, io, tp_rank=rank.tp_rank, forward_stamp=forward_stamp,
+                              dp_rank=rank.dp_rank)
+    except Exception as e:  # report the start-up failure, then exit
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    zmq_io.send(ready, ReadyMessage(process=name, info=scheduler.info()))
+    scheduler.watchdog.start(on_timeout=report_scheduler_failure)
+    try:
+        scheduler.event_loop()
+    except Exception as e:
+        if tp.size > 1 and is_peer_failure(e):
+            others = describe_other_nodes(server_args)
+            logger.error("%s: a collective of the TP group failed: another rank%s died or stopped answering "
+                         "(%s); shutting down", name, f" ({others})" if others else "", e)
+        else:
+            logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        report_scheduler_failure()
+        sys.exit(1)
