@@ -216,7 +216,7 @@ class GetWeightsByNameReqOutput(ControlOutput):
 class ServerStateOutput(ControlOutput):
     """Live scheduler counts, for /server_info and memory checks.
 
-    Memory invariant (DESIGN.md §5), when idle:
+    Memory invariant (docs/architecture.md, "KV memory and the radix cache"), when idle:
     free_kv_slots + evictable_cached_slots == max_total_num_tokens.
     """
 
@@ -270,7 +270,7 @@ class DetokenizeParams:
 
 @dataclass(slots=True)
 class ReqOutput:
-    """What one request produced in one scheduler step (one record per request, DESIGN.md §3).
+    """What one request produced in one scheduler step (one record per request; docs/architecture.md, "Processes and pipes").
 
     `new_token_ids` holds only the ids produced since the previous record for that rid.
     `finished_reason` is None while the request runs, else SGLang's dict:

@@ -55,7 +55,7 @@ class DetokenizerManager:
 
     def handle_batch_token_id_out(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
         """Text deltas for every request of one scheduler step. A request whose step raises
-        ends alone with an error finish (DESIGN.md §9); the others are unaffected."""
+        ends alone with an error finish (docs/architecture.md, "Failure handling"); the others are unaffected."""
         out = BatchStrOutput()
         for record in msg.outputs:
             finished = record.finished_reason

@@ -1,4 +1,4 @@
-"""The scheduler's I/O behind one small object (DESIGN.md §4, last bullet).
+"""The scheduler's I/O behind one small object (docs/architecture.md, "The scheduler loop").
 
 The scheduler never touches a socket: it calls `recv` for the messages that arrived,
 `wait` when it has nothing to run, `send_output` for each step's `BatchTokenIDOutput`

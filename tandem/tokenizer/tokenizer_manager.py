@@ -501,7 +501,7 @@ class TokenizerManager:
         return self._meta(state, reason, state.prompt_tokens, len(state.output_ids), 0, 0, time.time())
 
     def _fail(self, state: ReqState, where: str, exc: Exception) -> dict[str, Any]:
-        """End one request after handling it raised (DESIGN.md §9, the second wall): log,
+        """End one request after handling it raised (docs/architecture.md, "Failure handling"): log,
         mark it finished, make sure the scheduler stops it; returns its finish reason."""
         logger.error("request %s (rid %s) failed while %s:\n%s", state.rid, state.label, where, traceback.format_exc())
         state.finished = True
