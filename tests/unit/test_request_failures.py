@@ -1,7 +1,8 @@
-"""One request cannot crash a process (docs/architecture.md, "Failure handling"): an
-exception while handling one request's input or output ends that request with an error
-finish and leaves the component serving; its KV is released exactly once. A failing forward stays fatal. Each component runs in-process
-on real sockets; a request is poisoned with a value the HTTP boundary would refuse."""
+"""One request cannot crash a process (docs/architecture.md, "Failure handling"): an exception
+while handling one request's input or output ends that request with an error finish and
+leaves the component serving; its KV is released exactly once. A failing forward stays
+fatal. Each component runs in-process on real sockets; a request is poisoned with a value
+the HTTP boundary would refuse."""
 
 from __future__ import annotations
 
