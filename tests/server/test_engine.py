@@ -90,17 +90,31 @@ def test_async_generate_and_stream(engine):
 def test_logprobs_and_memory_after_early_stream_close(engine):
     out = engine.generate(PROMPTS[0], PARAMS, return_logprob=True, top_logprobs_num=2)
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
-    stream = engine.generate("stop early", {"max_new_tokens": 2000, "ignore_eos": True}, stream=True)
+    # The closed stream's request must stop, not run its 2000 tokens: the radix cache keeps
+    # its prompt and all but its last output token (mem_cache/req_kv.py, `release`), so the
+    # cached slots it adds say how far it ran. Waiting for idle has a deadline, not a
+    # guessed time: a request that was not aborted ends and fails the bound.
+    long, prompt = 2000, [3, 77, 78, 79, 81]  # ids no other test sends: no cached prefix
+    before = _wait_engine_idle(engine)
+    assert before["max_total_num_tokens"] - before["evictable_cached_slots"] > long + len(prompt)  # no eviction
+    stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": long, "ignore_eos": True},
+                             stream=True)
     next(stream)
     stream.close()  # aborts the request
-    deadline = time.monotonic() + 10
+    info = _wait_engine_idle(engine)
+    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"]
+    ran = info["evictable_cached_slots"] - before["evictable_cached_slots"]
+    assert len(prompt) <= ran < len(prompt) + long // 2, ran
+
+
+def _wait_engine_idle(engine, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
     while True:
         info = engine.get_server_info()
         if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"]
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
 
 
 def test_engine_outputs_equal_server_outputs(engine, tiny_llama_dir):

@@ -89,38 +89,80 @@ def _stream_in_thread(base_url: str, body: dict, results: list) -> threading.Thr
     return t
 
 
+LONG = 1500  # max_new_tokens of the requests aborted below: far more than they may run
+PROMPT_IDS = [1, 50, 60, 70]
+
+
+def _running(info: dict, num_reqs: int, min_used_tokens: int) -> bool:
+    """`num_reqs` requests run and hold at least `min_used_tokens` KV slots between them
+    (their prompts and generated tokens)."""
+    used = info["max_total_num_tokens"] - info["free_kv_slots"] - info["evictable_cached_slots"]
+    return info["num_running_reqs"] >= num_reqs and used >= min_used_tokens
+
+
+def _wait_running(client: httpx.Client, num_reqs: int, min_used_tokens: int = 0, timeout: float = 60.0) -> None:
+    """Wait (for the event, not a guessed time) until `_running`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.get("/server_info").json()
+        if _running(info, num_reqs, min_used_tokens):
+            return
+        assert time.monotonic() < deadline, info
+        time.sleep(0.02)
+
+
+def _flush_cache(client: httpx.Client) -> None:
+    wait_idle(client)
+    assert client.post("/flush_cache").status_code == 200
+    assert client.get("/server_info").json()["evictable_cached_slots"] == 0
+
+
+def _tokens_run_by_the_aborted_request(client: httpx.Client) -> int:
+    """After one request ran alone on a flushed cache and ended: the radix cache holds its
+    prompt and every output token but the last (mem_cache/req_kv.py, `release`), so the
+    cached slots say how far it ran. Waits for idle with a deadline, not a guess: a
+    request that was not aborted ends after its LONG tokens and fails the caller's bound."""
+    return assert_memory_idle(client, timeout=120)["evictable_cached_slots"]
+
+
 def test_abort_one_request_by_rid(server, client):
     results: list = []
     body = {"text": "abort me", "rid": "to-abort", "stream": True,
-            "sampling_params": {"max_new_tokens": 100000 // 60, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     t = _stream_in_thread(server.base_url, body, results)
-    time.sleep(1.0)
+    _wait_running(client, 1)
     assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
-    t.join(timeout=30)
+    t.join(timeout=120)
     assert results and results[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert results[0]["meta_info"]["completion_tokens"] < LONG // 2
     assert_memory_idle(client)
 
 
 def test_abort_all(server, client):
     results: list = []
     threads = [_stream_in_thread(server.base_url, {"text": f"long {i}", "stream": True,
-               "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}, results) for i in range(4)]
-    time.sleep(1.0)
+               "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}, results) for i in range(4)]
+    _wait_running(client, 4)
     assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=120)
     assert len(results) == 4
     assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+    assert all(r["meta_info"]["completion_tokens"] < LONG // 2 for r in results)
     assert_memory_idle(client)
     assert client.post("/abort_request", json={}).status_code == 400
 
 
 def test_client_disconnect_aborts(server, client):
+    """A streaming client that leaves after 3 chunks stops its request: it ran far fewer
+    than its LONG tokens (counted in the radix cache afterwards), not all of them."""
+    _flush_cache(client)
+
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac:
             async with ac.stream("POST", "/generate", json={
-                    "text": "disconnect", "stream": True,
-                    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}) as r:
+                    "input_ids": PROMPT_IDS, "stream": True,
+                    "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}) as r:
                 n = 0
                 async for line in r.aiter_lines():
                     n += line.startswith("data: ")
@@ -128,19 +170,29 @@ def test_client_disconnect_aborts(server, client):
                         break  # leave mid-stream
 
     asyncio.run(run())
-    # The scheduler must drop the request within a few steps, not after 1500 tokens.
-    info = wait_idle(client, timeout=10)
-    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"]
+    ran = _tokens_run_by_the_aborted_request(client)
+    assert len(PROMPT_IDS) + 2 <= ran < len(PROMPT_IDS) + LONG // 2, ran
 
 
 def test_non_streaming_disconnect_aborts(server, client):
-    try:
-        httpx.post(server.base_url + "/generate", timeout=1.0, json={
-            "text": "impatient", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
-    except httpx.ReadTimeout:
-        pass
-    info = wait_idle(client, timeout=10)
-    assert info["free_kv_slots"] + info["evictable_cached_slots"] == info["max_total_num_tokens"]
+    """A non-streaming client that hangs up once its request has 16 tokens stops it."""
+    _flush_cache(client)
+    body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac, \
+                httpx.AsyncClient(base_url=server.base_url, timeout=120) as impatient:
+            task = asyncio.create_task(impatient.post("/generate", json=body))
+            # Until the request runs and holds its prompt and 16 outputs.
+            while not _running((await ac.get("/server_info")).json(), 1, len(PROMPT_IDS) + 16):
+                assert not task.done(), "the request ended before the client could hang up"
+                await asyncio.sleep(0.02)
+            task.cancel()  # hang up: the client's connections close with it
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    ran = _tokens_run_by_the_aborted_request(client)
+    assert len(PROMPT_IDS) + 16 <= ran < len(PROMPT_IDS) + LONG // 2, ran
 
 
 def test_skip_tokenizer_init_matches_normal_mode(tiny_llama_dir, client):
