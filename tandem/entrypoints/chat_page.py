@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 CHAT_PAGE_PATH = "/"
@@ -30,9 +30,13 @@ def chat_page_html() -> str:
     return resources.files("tandem.entrypoints").joinpath("static").joinpath("chat.html").read_text(encoding="utf-8")
 
 
-def add_chat_page(app: FastAPI) -> None:
+def chat_page_router() -> APIRouter:
+    """GET / : the chat page."""
+    router = APIRouter()
     html = chat_page_html()  # read once
 
-    @app.get(CHAT_PAGE_PATH, include_in_schema=False)
+    @router.get(CHAT_PAGE_PATH, include_in_schema=False)
     async def chat_page() -> HTMLResponse:
         return HTMLResponse(html, headers=_HEADERS)
+
+    return router

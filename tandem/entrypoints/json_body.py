@@ -18,7 +18,7 @@ import json
 from typing import Any, Callable, Coroutine
 
 import orjson
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -47,6 +47,19 @@ def parse_json_body(body: bytes) -> Any:
             raise InvalidBody(f"{field}: contains a lone surrogate escape (\\ud800-\\udfff without its pair), "
                               "which is not valid Unicode", field) from e
         raise InvalidBody(f"request body: invalid JSON ({e})") from e
+
+
+async def read_json_object(request: Request, empty_is_object: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object (every route that takes one reads it here);
+    ValueError (InvalidBody is one) with a client-facing message otherwise. With
+    `empty_is_object`, an empty body (a GET, or a POST without one) reads as {}."""
+    raw = await request.body()
+    if empty_is_object and not raw.strip():
+        return {}
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise ValueError("request body: must be a JSON object")
+    return body
 
 
 def _lone_surrogate_field(body: bytes) -> str | None:
@@ -90,3 +103,8 @@ class JSONBodyRoute(APIRoute):
             return await handler(_JSONBodyRequest(request.scope, request.receive))
 
         return route_handler
+
+
+def json_router() -> APIRouter:
+    """An APIRouter whose routes parse JSON bodies with `parse_json_body`."""
+    return APIRouter(route_class=JSONBodyRoute)

@@ -13,11 +13,12 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 import tandem
-from tandem.entrypoints.json_body import InvalidBody, parse_json_body
+from tandem.entrypoints.json_body import json_router, read_json_object
+from tandem.entrypoints.responses import error_response, json_response
 from tandem.messages import ProfileReq
 from tandem.model_executor.model_loader import load_config
 
@@ -69,20 +70,6 @@ def _loads(state, max_running_requests: int, dp_rank: int) -> dict[str, Any]:
     }
 
 
-async def _profile_body(request: Request) -> dict[str, Any]:
-    """The optional JSON body of /start_profile (GET sends none); ValueError if malformed."""
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = parse_json_body(raw)
-    except InvalidBody as e:
-        raise ValueError(e.msg) from e
-    if not isinstance(body, dict):
-        raise ValueError("request body: must be a JSON object")
-    return body
-
-
 def _profile_req(body: dict[str, Any]) -> ProfileReq:
     fields = {k: body.get(k) for k in _PROFILE_FIELDS}
     num_steps = fields["num_steps"]
@@ -100,29 +87,27 @@ def _profile_req(body: dict[str, Any]) -> ProfileReq:
     return ProfileReq(request_id="", action="start", **fields)
 
 
-def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
-    """Add SGLang's information and control routes to `app`."""
-    # NOTE: imported here because http_server imports this module to mount the routes.
-    from tandem.entrypoints.http_server import error_response, json_response
-
+def sglang_router(tm, server_args) -> APIRouter:
+    """SGLang's information and control routes, served by TokenizerManager `tm`."""
+    router = json_router()
     info = model_info(server_args, load_config(server_args.model_path))
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @router.get("/model_info")
+    @router.get("/get_model_info")
     async def model_info_route() -> Response:
         """The model's description; `weight_version` is the scheduler's (it moves with
         /update_weights_from_disk)."""
         state = await tm.get_server_state()
         return json_response({**info, "weight_version": state.weight_version})
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @router.get("/server_info")
+    @router.get("/get_server_info")
     async def server_info() -> Response:
         """Resolved arguments, capacities, the scheduler's live counts (also under
         `internal_states`, one entry per data-parallel rank) and `version`."""
         return json_response(await tm.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> Response:
         """Empty the prefix cache; 400 with the reason while requests run or wait
         (with `timeout`, retry until they are done or `timeout` seconds pass)."""
@@ -136,12 +121,12 @@ def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
             return error_response(f"cache not flushed: {result.message}", 400)
         return json_response({"success": True})
 
-    @app.get("/ping")
+    @router.get("/ping")
     async def ping() -> Response:
         """SageMaker's health check: 200 while the server runs."""
         return Response(status_code=200)
 
-    @app.get("/v1/loads")
+    @router.get("/v1/loads")
     async def loads() -> Response:
         state = await tm.get_server_state()
         return json_response({
@@ -153,17 +138,17 @@ def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
                       for k, s in enumerate(state.dp_rank_states or [state])],
         })
 
-    @app.api_route("/start_profile", methods=["GET", "POST"])
+    @router.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request) -> Response:
         """Start the torch profiler in the scheduler; the trace is written by /stop_profile
         (or after `num_steps` forward steps) into `output_dir`."""
         try:
-            req = _profile_req(await _profile_body(request))
+            req = _profile_req(await read_json_object(request, empty_is_object=True))  # GET sends none
         except ValueError as e:
             return error_response(str(e))
         return await _profile_call(req, "Start profiling.\n")
 
-    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    @router.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> Response:
         return await _profile_call(ProfileReq(request_id="", action="stop"),
                                    "Stop profiling. This will take some time.\n")
@@ -173,3 +158,5 @@ def add_sglang_routes(app: FastAPI, tm, server_args) -> None:
         if not result.success:
             return error_response(result.message, 400)
         return Response(content=ok_text, status_code=200, media_type="text/plain")
+
+    return router

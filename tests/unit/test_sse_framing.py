@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tandem.entrypoints.http_server import sse as native_sse
+from tandem.entrypoints.native_routes import sse as native_sse
 from tandem.entrypoints.openai.common import sse
 
 TEXTS = ["plain", "line\u2028separator", "para\u2029graph", "next\u0085line", "tab\tand\nnewline\r",

@@ -1,2 +1,2 @@
 """The OpenAI-compatible HTTP API (chat, completions, models, tokenize) over the
-TokenizerManager. `add_openai_routes` mounts it on the FastAPI app."""
+TokenizerManager. `router.add_openai_routes` mounts it on the FastAPI app (app.py)."""

@@ -13,8 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 
 from tandem.entrypoints.openai.errors import OpenAIError
-from tandem.entrypoints.streams import Refused, last_outputs, refusal
-from tandem.entrypoints.streams import admitted_streams as _admitted_streams
+from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, refusal
 from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from tandem.entrypoints.native_protocol import GenerateReqInput
 
@@ -162,15 +161,6 @@ async def open_streams(tm, obj: GenerateReqInput) -> list[AsyncIterator[dict[str
     return await tm.generate_request(obj, incremental=True)
 
 
-async def admitted_streams(request, streams: list[AsyncIterator[dict[str, Any]]]
-                           ) -> list[AsyncIterator[dict[str, Any]]] | None:
-    """`tandem.entrypoints.streams.admitted_streams`, a refusal raised as OpenAIError (503)."""
-    try:
-        return await _admitted_streams(request, streams)
-    except Refused as e:
-        raise OpenAIError(e.message, e.status) from e
-
-
 def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
     """OpenAIError (503) when the scheduler refused any of these requests outright."""
     refused = refusal(outputs)
@@ -185,7 +175,10 @@ async def respond(request, streams: list[AsyncIterator[dict[str, Any]]], stream:
     `body(streams)` once the scheduler admitted the request; otherwise `build(outputs)` of
     the final outputs. 499 when the client left first; OpenAIError (503) when refused."""
     if stream:
-        streams = await admitted_streams(request, streams)
+        try:
+            streams = await admitted_streams(request, streams)
+        except Refused as e:
+            raise OpenAIError(e.message, e.status) from e
         if streams is None:
             return Response(status_code=499)
         return StreamingResponse(body(streams), media_type="text/event-stream")

@@ -13,13 +13,13 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.entrypoints.json_body import InvalidBody
+from tandem.entrypoints.responses import json_response
 
 # SGLang/native field names (as they appear in tokenizer-manager errors) -> OpenAI names.
 _NATIVE_TO_OPENAI = {
@@ -54,11 +54,6 @@ class OpenAIError(Exception):
 def _default_type(status: int) -> str:
     return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
             405: "MethodNotAllowedError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    """A JSON response serialized with orjson (NaN/inf become null)."""
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def from_value_error(exc: Exception, rename: dict[str, str] | None = None) -> OpenAIError:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
-from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers, json_response
+from tandem.entrypoints.json_body import json_router
+from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, ScoringRequest, TokenizeRequest,
 )
@@ -41,48 +43,57 @@ def load_chat_template(path: str | None) -> str | None:
     return p.read_text()
 
 
-def add_openai_routes(app: FastAPI, tm, server_args) -> None:
-    """Add the OpenAI-compatible routes and OpenAI-shaped error handlers to `app`."""
-    install_error_handlers(app)
+def openai_router(tm, server_args) -> APIRouter:
+    """The OpenAI-compatible routes, served by TokenizerManager `tm` (their error handlers:
+    `errors.install_error_handlers`)."""
+    router = json_router()
     chat = ChatServing(tm, server_args, load_chat_template(getattr(server_args, "chat_template", None)))
     completions = CompletionServing(tm, server_args)
     responses = ResponsesServing(chat)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         return await chat.handle(request, req)
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions_route(request: Request, req: CompletionRequest) -> Response:
         return await completions.handle(request, req)
 
-    @app.post("/v1/score")
+    @router.post("/v1/score")
     async def score_route(request: Request, req: ScoringRequest) -> Response:
         return await handle_score(tm, request, req)
 
-    @app.post("/v1/responses")
+    @router.post("/v1/responses")
     async def responses_route(request: Request, req: ResponsesRequest) -> Response:
         return await responses.handle(request, req)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> Response:
         cards = serving_models.list_models(server_args, tm.context_len, tm.scheduler_info.get("gguf"))
         return json_response(cards.model_dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         card = serving_models.retrieve_model(model_id, server_args, tm.context_len, tm.scheduler_info.get("gguf"))
         return json_response(card.model_dump())
 
-    @app.post("/v1/tokenize")
-    @app.post("/tokenize")
+    @router.post("/v1/tokenize")
+    @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         return json_response(await serving_models.tokenize(req, tm.text_encoder, tm.context_len, chat))
 
-    @app.post("/v1/detokenize")
-    @app.post("/detokenize")
+    @router.post("/v1/detokenize")
+    @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         return json_response(await serving_models.detokenize(req, tm.text_encoder, getattr(tm, "vocab_size", None)))
+
+    return router
+
+
+def add_openai_routes(app: FastAPI, tm, server_args) -> None:
+    """Mount the OpenAI-compatible routes and their OpenAI-shaped error handlers on `app`."""
+    install_error_handlers(app)
+    app.include_router(openai_router(tm, server_args))
 
 
 def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:

@@ -25,7 +25,8 @@ from tandem.entrypoints.openai.common import (
     SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
     open_streams, random_id, respond, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
 )
-from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
+from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatMessage, ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,

@@ -25,7 +25,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tandem.entrypoints.openai.common import open_streams, resolve_max_tokens, respond, sse_json
-from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
+from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
 from tandem.entrypoints.streams import merge_streams

@@ -18,7 +18,8 @@ from fastapi.responses import Response
 
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
 from tandem.entrypoints.openai.common import raise_if_refused
-from tandem.entrypoints.openai.errors import OpenAIError, from_value_error, json_response
+from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import ScoringRequest, ScoringResponse, UsageInfo
 from tandem.entrypoints.streams import last_outputs
 from tandem.entrypoints.native_protocol import GenerateReqInput
