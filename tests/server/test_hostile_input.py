@@ -175,17 +175,29 @@ def test_chunked_body_past_the_limit_is_413(client):
 
 
 def test_prompt_too_long_in_characters_is_refused_before_tokenizing(client):
-    info = client.get("/server_info").json()
-    text = "a" * (info["context_length"] * 64)  # far more characters than any token covers
+    """A 5.4 MB prompt (far more characters than the context's tokens can cover) is
+    refused by its length in characters on every route, each answer in less than half
+    the time /tokenize takes to tokenize it (relative, not a fixed time: a loaded machine
+    slows both)."""
+    text = "hello world " * 450_000
     start = time.monotonic()
-    r = client.post("/generate", json={"text": text, "sampling_params": TINY})
-    assert r.status_code == 400 and "characters" in error_message(r), r.text
+    assert client.post("/tokenize", json={"text": text}).status_code == 200
+    tokenize_s = time.monotonic() - start
     model = model_name(client)
-    r = client.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["param"] == "prompt", r.text
-    r = client.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": text}]})
-    assert r.status_code == 400 and r.json()["param"] == "messages", r.text
-    assert time.monotonic() - start < 2.0
+    refusals = [
+        (client.post, "/generate", {"text": text, "sampling_params": TINY}, None),
+        (client.post, "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1}, "prompt"),
+        (client.post, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}]},
+         "messages"),
+    ]
+    for post, path, body, param in refusals:
+        start = time.monotonic()
+        r = post(path, json=body)
+        seconds = time.monotonic() - start
+        assert r.status_code == 400 and "characters" in error_message(r), (path, r.text[:300])
+        if param is not None:
+            assert r.json()["param"] == param, r.text[:300]
+        assert seconds < tokenize_s / 2, (path, seconds, tokenize_s)
 
 
 def test_health_answers_while_a_large_body_is_tokenized(server, client):
@@ -202,18 +214,19 @@ def test_health_answers_while_a_large_body_is_tokenized(server, client):
     worker = threading.Thread(target=tokenize)
     worker.start()
     latencies = []
-    time.sleep(0.2)
     while worker.is_alive():
         start = time.monotonic()
         assert client.get("/health").status_code == 200
         latencies.append(time.monotonic() - start)
         time.sleep(0.05)
     worker.join()
-    assert done["status"] == 200 and done["seconds"] > 1.0, done  # the health checks overlapped it
-    # A blocked event loop would hold one /health for most of the tokenization; a loaded
-    # machine may delay a single answer by a few hundred ms, so the bound is relative.
-    assert len(latencies) >= 5, latencies
-    assert statistics.median(latencies) < 0.1 and max(latencies) < done["seconds"] / 2, (latencies, done)
+    assert done["status"] == 200, done
+    # A blocked event loop would hold one /health for most of the tokenization. The bounds
+    # are relative to the tokenization's own time (a loaded machine slows both), not fixed:
+    # it must have lasted many /health answers (so they overlapped it), and no answer may
+    # have waited for half of it.
+    assert len(latencies) >= 5 and done["seconds"] > 5 * statistics.median(latencies), (latencies, done)
+    assert max(latencies) < done["seconds"] / 2, (latencies, done)
 
 
 # ---- item 5: deeply nested JSON -------------------------------------------------------
