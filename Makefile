@@ -15,7 +15,7 @@ PORT ?= 30000
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: install serve test demo-model stories-model default-model clean
+.PHONY: install serve test test-fast lint format demo-model stories-model default-model clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,20 @@ serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
 
 test: install default-model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The fast tier: the unit tests (in-process: no servers), without those marked slow; under
+# 3 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests/unit
+
+# ruff (configured in pyproject.toml): the linter and the formatter's check; CI runs it.
+lint: install
+	$(PY) -m ruff check tandem tests benchmarks
+	$(PY) -m ruff format --check tandem tests benchmarks
+
+format: install
+	$(PY) -m ruff check --fix tandem tests benchmarks
+	$(PY) -m ruff format tandem tests benchmarks
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

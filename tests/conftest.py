@@ -4,13 +4,10 @@ assets/ (converted once per session), and the Hugging Face reference used to che
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # Without CUDA the Triton kernels run under Triton's interpreter, which must be chosen
 # before anything imports Triton (xgrammar and torch.compile do): set once, here.

@@ -146,6 +146,7 @@ def _layers_on_rank(tp: TpGroup) -> dict:
             "expected_logits": F.linear(x, table)}
 
 
+@pytest.mark.slow  # two gloo ranks in subprocesses
 def test_parallel_layers_on_two_ranks(tmp_path):
     ranks = run_on_ranks(_layers_on_rank, 2, tmp_path)
     for out in ranks:
@@ -200,6 +201,7 @@ def _generate_on_rank(tp: TpGroup, model_dirs: list[str]) -> dict:
     return results
 
 
+@pytest.mark.slow  # two gloo ranks in subprocesses
 def test_model_on_two_ranks_equals_one(tmp_path, tiny_llama_dir, tiny_qwen2_dir, tiny_mqa_dir):
     """llama: heads, KV heads, vocabulary and intermediate size divide; qwen2: an odd
     vocabulary (1531, padded), tied head, q/k/v bias; mqa: one KV head, replicated."""
