@@ -27,8 +27,11 @@ from tandem.scheduler.schedule_batch import ScheduleBatch
 logger = logging.getLogger(__name__)
 
 # Test hook, read once when the scheduler starts: every forward step sleeps this many
-# seconds first (inside the watched region), to hang or pace the server in tests.
+# seconds first (inside the watched region), to hang or pace the server in tests. The
+# first such step logs TEST_FORWARD_SLEEP_LOG (a warning) once its stamp is set, so that
+# a test can wait for a forward to be under way instead of guessing when it is.
 TEST_FORWARD_SLEEP_ENV = "TANDEM_TEST_FORWARD_SLEEP_S"
+TEST_FORWARD_SLEEP_LOG = "test hook TANDEM_TEST_FORWARD_SLEEP_S: the first forward step has started"
 
 
 def new_forward_stamp(ctx: Any = mp) -> Any:
@@ -49,6 +52,7 @@ class ForwardWatchdog:
         self.stamp = stamp if stamp is not None else new_forward_stamp()
         self.batch: ScheduleBatch | None = None
         self.test_sleep_s = float(os.environ.get(TEST_FORWARD_SLEEP_ENV, "0") or 0)
+        self._test_sleep_logged = False
 
     @contextlib.contextmanager
     def watching(self, batch: ScheduleBatch) -> Iterator[None]:
@@ -57,6 +61,9 @@ class ForwardWatchdog:
         self.stamp.value = time.monotonic()
         try:
             if self.test_sleep_s:
+                if not self._test_sleep_logged:
+                    self._test_sleep_logged = True
+                    logger.warning("%s; each sleeps %g s first", TEST_FORWARD_SLEEP_LOG, self.test_sleep_s)
                 time.sleep(self.test_sleep_s)
             yield
         finally:
