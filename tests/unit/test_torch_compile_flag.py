@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from runner_steps import make_runner
+
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 
@@ -26,7 +26,8 @@ def test_cpu_decode_kernel_in_use_says_nothing_is_compiled(tiny_llama_dir, caplo
     assert runner.attn_backend.compiled_decode is None
     assert compile_lines(caplog) == [
         "--enable-torch-compile has no effect here: decode attention runs Tandem's C++ CPU kernel "
-        "(TANDEM_DISABLE_CPU_KERNELS=1 runs torch_native's PyTorch decode, compiled)"]
+        "(TANDEM_DISABLE_CPU_KERNELS=1 runs torch_native's PyTorch decode, compiled)"
+    ]
 
 
 def test_triton_backend_says_nothing_is_compiled(tiny_llama_dir, caplog):
@@ -34,7 +35,8 @@ def test_triton_backend_says_nothing_is_compiled(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         make_runner(tiny_llama_dir, enable_torch_compile=True, attention_backend="triton")
     assert compile_lines(caplog) == [
-        "--enable-torch-compile has no effect here: --attention-backend triton's kernels are compiled already"]
+        "--enable-torch-compile has no effect here: --attention-backend triton's kernels are compiled already"
+    ]
 
 
 def test_compiled_decode_says_what_is_compiled(tiny_llama_dir, caplog, monkeypatch):
@@ -47,7 +49,8 @@ def test_compiled_decode_says_what_is_compiled(tiny_llama_dir, caplog, monkeypat
     assert runner.attn_backend.compiled_decode is not None
     assert compile_lines(caplog) == [
         "--enable-torch-compile: torch_native's decode attention (paged_decode) is compiled by torch.compile "
-        "(Inductor) at start; nothing else is compiled"]
+        "(Inductor) at start; nothing else is compiled"
+    ]
 
 
 def test_no_line_without_the_flag(tiny_llama_dir, caplog):
