@@ -27,7 +27,7 @@ from tandem.forward_batch import ForwardBatch
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.model_executor.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner, capture_batch_sizes
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
-from tandem.models.llama import ModelContext
+from tandem.models.context import ModelContext
 from tandem.models.registry import resolve_model_class
 from tandem.server_args import ServerArgs
 

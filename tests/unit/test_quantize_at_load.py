@@ -112,7 +112,7 @@ def rounded_transformers(model_dir, method: str):
 @pytest.mark.parametrize("method", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_tokens_equal_transformers_on_rounded_weights(model_dirs, arch, method, caplog):
-    with caplog.at_level(logging.INFO, logger="tandem.models.llama"):
+    with caplog.at_level(logging.INFO, logger="tandem.models"):
         runner = make_runner(model_dirs[arch], dtype="float32", quantization=method)
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"--quantization {method}")]
     assert line.endswith("dense (input width not a multiple of 32): model.layers.*.mlp.down_proj")
