@@ -27,6 +27,7 @@ async def _phase(base_url: str, num_requests: int, concurrency: int, stream: boo
     todo = iter(range(num_requests))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as ac:
+
         async def client() -> None:
             for _ in todo:
                 if stream:
@@ -44,8 +45,21 @@ async def _phase(base_url: str, num_requests: int, concurrency: int, stream: boo
 
 def _serve(model_path: str, workers: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.launch_server", "--model-path", model_path,
-                             "--port", str(port), "--log-level", "warning", "--tokenizer-worker-num", str(workers)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.launch_server",
+            "--model-path",
+            model_path,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--tokenizer-worker-num",
+            str(workers),
+        ]
+    )
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

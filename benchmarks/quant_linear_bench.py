@@ -45,17 +45,25 @@ def main() -> None:
         ops = cpu_kernels.load()
     if ops is None:
         raise SystemExit("Tandem's C++ CPU kernels are not built")
-    weights = [(torch.randint(0, 256, (OUT, IN // 2), dtype=torch.uint8), torch.rand(OUT, IN // 32).half(),
-                torch.rand(OUT, IN // 32).half()) for _ in range(COUNT)]
+    weights = [
+        (
+            torch.randint(0, 256, (OUT, IN // 2), dtype=torch.uint8),
+            torch.rand(OUT, IN // 32).half(),
+            torch.rand(OUT, IN // 32).half(),
+        )
+        for _ in range(COUNT)
+    ]
     dense = [PackedCpuLinear(torch.randn(OUT, IN).bfloat16()) for _ in range(COUNT)]
     x = torch.randn(args.rows, IN).bfloat16()
     quant_s = per_call(lambda: [ops.quant_linear(x, q, s, m, 4, 32) for q, s, m in weights], COUNT)
     dense_s = per_call(lambda: [d(x) for d in dense], COUNT)
     q_bytes = sum(t.numel() * t.element_size() for t in weights[0])
-    print(f"{ops.quant_linear_isa()}, threads {torch.get_num_threads()}, rows {args.rows}: "
-          f"quant_linear {quant_s * 1e3:.3f} ms "
-          f"({q_bytes / quant_s / 1e9:.1f} GB/s of weights); oneDNN bf16 {dense_s * 1e3:.3f} ms "
-          f"({OUT * IN * 2 / dense_s / 1e9:.1f} GB/s)")
+    print(
+        f"{ops.quant_linear_isa()}, threads {torch.get_num_threads()}, rows {args.rows}: "
+        f"quant_linear {quant_s * 1e3:.3f} ms "
+        f"({q_bytes / quant_s / 1e9:.1f} GB/s of weights); oneDNN bf16 {dense_s * 1e3:.3f} ms "
+        f"({OUT * IN * 2 / dense_s / 1e9:.1f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

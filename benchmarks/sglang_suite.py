@@ -37,7 +37,8 @@ def _install_launcher(bin_dir: Path, tandem_python: str, drop: list[str]) -> Non
         "#!/bin/sh\n"
         '[ "$1" = serve ] && shift\n'
         f'for a do shift; case "$a" in {skip}) ;; *) set -- "$@" "$a" ;; esac; done\n'
-        f'cd {REPO} && exec {tandem_python} -m tandem.launch_server "$@"\n')
+        f'cd {REPO} && exec {tandem_python} -m tandem.launch_server "$@"\n'
+    )
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
@@ -55,9 +56,13 @@ def main() -> int:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tests-dir", required=True)
     ap.add_argument("--tandem-python", default=str(REPO / ".venv" / "bin" / "python"))
-    ap.add_argument("--drop-flag", action="append", default=[],
-                    help="a value-less flag to leave out of every launch, as --drop-flag=--FLAG (diagnosis: run the tests "
-                         "of a class whose server needs a flag Tandem refuses)")
+    ap.add_argument(
+        "--drop-flag",
+        action="append",
+        default=[],
+        help="a value-less flag to leave out of every launch, as --drop-flag=--FLAG (diagnosis: run the tests "
+        "of a class whose server needs a flag Tandem refuses)",
+    )
     ap.add_argument("modules", nargs="+", help="test module names (or module.Class.test) in --tests-dir")
     args = ap.parse_args()
 

@@ -34,6 +34,7 @@ def _timed(fn, spent: list[float]):
         out = fn(*args, **kwargs)
         spent[0] += time.perf_counter() - tic
         return out
+
     return wrapper
 
 
@@ -49,30 +50,43 @@ def measure(tp: TpGroup, args: argparse.Namespace) -> str:
     vocab.tensor_model_parallel_all_reduce = _timed(vocab.tensor_model_parallel_all_reduce, spent)
     vocab.tensor_model_parallel_all_gather = _timed(vocab.tensor_model_parallel_all_gather, spent)
     bs, room = args.batch_size, args.input_len + args.steps + 1
-    runner = ModelRunner(ServerArgs(model_path=args.model_path, device="cpu", max_total_tokens=bs * room,
-                                    max_running_requests=bs, random_seed=1, chunked_prefill_size=-1),
-                         tp.rank, tp.size)
+    runner = ModelRunner(
+        ServerArgs(
+            model_path=args.model_path,
+            device="cpu",
+            max_total_tokens=bs * room,
+            max_running_requests=bs,
+            random_seed=1,
+            chunked_prefill_size=-1,
+        ),
+        tp.rank,
+        tp.size,
+    )
     slots = [list(range(1 + room * i, 1 + room * (i + 1))) for i in range(bs)]
     for i, row in enumerate(slots):
         runner.req_to_token_pool.write(i, 0, torch.tensor(row))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(10, runner.vocab_size, (args.input_len,), generator=g).tolist() for _ in range(bs)]
-    logits = runner.forward(ForwardBatch.for_rows(ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * bs,
-                                                  [args.input_len] * bs, slots)).next_token_logits
+    logits = runner.forward(
+        ForwardBatch.for_rows(ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * bs, [args.input_len] * bs, slots)
+    ).next_token_logits
     steps, comm = [], []
     for _ in range(args.steps):
         for s, t in zip(seqs, logits.argmax(-1).tolist()):
             s.append(t)
-        fb = ForwardBatch.for_rows(ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs],
-                                   [1] * bs, slots)
+        fb = ForwardBatch.for_rows(
+            ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], [1] * bs, slots
+        )
         spent[0] = 0.0
         tic = time.perf_counter()
         logits = runner.forward(fb).next_token_logits
         steps.append(time.perf_counter() - tic)
         comm.append(spent[0])
     fast = min(range(len(steps)), key=steps.__getitem__)
-    line = (f"tp{tp.size}: decode step at batch {bs}: median {statistics.median(steps) * 1e3:.1f} ms, "
-            f"fastest {steps[fast] * 1e3:.1f} ms")
+    line = (
+        f"tp{tp.size}: decode step at batch {bs}: median {statistics.median(steps) * 1e3:.1f} ms, "
+        f"fastest {steps[fast] * 1e3:.1f} ms"
+    )
     if tp.size == 1:
         return line
     alone = []
@@ -81,11 +95,13 @@ def measure(tp: TpGroup, args: argparse.Namespace) -> str:
         tic = time.perf_counter()
         dist.all_reduce(x)
         alone.append(time.perf_counter() - tic)
-    return (f"{line}; in collectives: median {statistics.median(comm) * 1e3:.1f} ms "
-            f"({statistics.median(comm) / statistics.median(steps):.0%}), fastest step's "
-            f"{comm[fast] * 1e3:.1f} ms ({comm[fast] / steps[fast]:.0%}); one all_reduce of [{bs}, "
-            f"{runner.config.hidden_size}] fp32 alone: min {min(alone) * 1e6:.0f} us, "
-            f"median {statistics.median(alone) * 1e6:.0f} us")
+    return (
+        f"{line}; in collectives: median {statistics.median(comm) * 1e3:.1f} ms "
+        f"({statistics.median(comm) / statistics.median(steps):.0%}), fastest step's "
+        f"{comm[fast] * 1e3:.1f} ms ({comm[fast] / steps[fast]:.0%}); one all_reduce of [{bs}, "
+        f"{runner.config.hidden_size}] fp32 alone: min {min(alone) * 1e6:.0f} us, "
+        f"median {statistics.median(alone) * 1e6:.0f} us"
+    )
 
 
 def _rank(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> None:

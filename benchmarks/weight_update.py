@@ -50,8 +50,11 @@ def main() -> None:
     models = []
     for seed in (0, 1):
         path = work / f"{args.preset}-seed{seed}"
-        models.append(path if (path / "config.json").exists()
-                      else make_tiny_model(path, arch="llama", preset=args.preset, seed=seed))
+        models.append(
+            path
+            if (path / "config.json").exists()
+            else make_tiny_model(path, arch="llama", preset=args.preset, seed=seed)
+        )
     a, b = (str(m) for m in models)
     tensors = [list(load_file(str(m / "model.safetensors")).items()) for m in models]
     size_mb = sum(t.numel() * t.element_size() for _, t in tensors[1]) / 2**20

@@ -77,10 +77,30 @@ def main() -> int:
     pins = sorted(f"{name}=={version}" for name, version in closure(roots, args.python_version).items())
     (out / "requirements.txt").write_text("\n".join(pins) + "\n")
     abi = "cp" + args.python_version.replace(".", "")
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", args.python_version, "--implementation", "cp", "--abi", abi, "--abi", "abi3",
-           "--abi", "none", *[a for plat in PLATFORMS for a in ("--platform", plat)],
-           "-d", str(out), "-r", str(out / "requirements.txt")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        args.python_version,
+        "--implementation",
+        "cp",
+        "--abi",
+        abi,
+        "--abi",
+        "abi3",
+        "--abi",
+        "none",
+        *[a for plat in PLATFORMS for a in ("--platform", plat)],
+        "-d",
+        str(out),
+        "-r",
+        str(out / "requirements.txt"),
+    ]
     subprocess.run(cmd, check=True)
     size = sum(f.stat().st_size for f in out.glob("*.whl"))
     print(f"{len(pins)} packages, {size / 2**20:.1f} MiB of wheels in {out}")

@@ -41,8 +41,10 @@ WARMUP_MAX_OUTPUT = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tandem.bench_offline_throughput",
-                                description="Offline throughput of the Engine on the random dataset (no HTTP).")
+    p = argparse.ArgumentParser(
+        prog="python -m tandem.bench_offline_throughput",
+        description="Offline throughput of the Engine on the random dataset (no HTTP).",
+    )
     ServerArgs.add_cli_args(p)
     p.set_defaults(log_level="warning")
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -73,18 +75,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server_args = ServerArgs.from_cli_args(args)
     server_args.validate()
     space = load_token_space(server_args.tokenizer_path)
-    requests = generate_random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                        args.random_range_ratio, space, seed=args.seed)
+    requests = generate_random_requests(
+        args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, space, seed=args.seed
+    )
     input_ids = [r.prompt_ids for r in requests]
     sampling = [_sampling(r.output_len) for r in requests]
 
     with Engine(server_args=server_args) as engine:
         if args.warmup_requests > 0:
             # A prompt of its own (another seed), so the radix cache gives the run nothing.
-            warm = generate_random_requests(args.warmup_requests, args.random_input_len, WARMUP_MAX_OUTPUT, 1.0,
-                                            space, seed=args.seed + 7919)
-            engine.generate(input_ids=[w.prompt_ids for w in warm],
-                            sampling_params=[_sampling(w.output_len) for w in warm])
+            warm = generate_random_requests(
+                args.warmup_requests, args.random_input_len, WARMUP_MAX_OUTPUT, 1.0, space, seed=args.seed + 7919
+            )
+            engine.generate(
+                input_ids=[w.prompt_ids for w in warm], sampling_params=[_sampling(w.output_len) for w in warm]
+            )
         start = time.perf_counter()
         outputs = engine.generate(input_ids=input_ids, sampling_params=sampling)
         duration = time.perf_counter() - start
@@ -126,8 +131,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    return "\n".join(["{s:{c}^50}".format(s=" Offline Throughput Benchmark Result ", c="="),
-                      *run_summary_rows(r, with_cached_tokens=False), "=" * 50])
+    return "\n".join(
+        [
+            "{s:{c}^50}".format(s=" Offline Throughput Benchmark Result ", c="="),
+            *run_summary_rows(r, with_cached_tokens=False),
+            "=" * 50,
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,12 +47,12 @@ import torch
 
 from tandem.benchmarks.datasets import generate_random_requests, load_token_space
 from tandem.benchmarks.hardware_floor import decode_floor, measure_bandwidth, measure_matmul_flops
-from tandem.scheduler.schedule_batch import Req, ScheduleBatch
+from tandem.forward_batch import ForwardMode
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
-from tandem.scheduler.tp_worker import TpModelWorker
-from tandem.forward_batch import ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
+from tandem.scheduler.schedule_batch import Req, ScheduleBatch
+from tandem.scheduler.tp_worker import TpModelWorker
 from tandem.server_args import ServerArgs
 
 WARMUP_OUTPUT_LEN = 4
@@ -79,18 +79,24 @@ class OneBatchBench:
         self.worker = TpModelWorker(server_args)
         runner = self.worker.model_runner
         self.runner = runner
-        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool,
-                               ChunkCache(runner.token_to_kv_pool))
+        self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, ChunkCache(runner.token_to_kv_pool))
         self.space = load_token_space(server_args.tokenizer_path)
         self.seed = seed
 
-    def floor(self, batch_size: int, input_len: int, output_len: int, bandwidth: float,
-              matmul_flops: float) -> float:
+    def floor(self, batch_size: int, input_len: int, output_len: int, bandwidth: float, matmul_flops: float) -> float:
         """Floor (s) of the median decode step: every request at input_len + output_len // 2."""
         runner = self.runner
-        return decode_floor(runner.model, runner.dtype, [input_len + output_len // 2] * batch_size,
-                            runner.num_layers, runner.config.num_attention_heads, runner.num_kv_heads,
-                            runner.head_dim, bandwidth, matmul_flops).floor_s
+        return decode_floor(
+            runner.model,
+            runner.dtype,
+            [input_len + output_len // 2] * batch_size,
+            runner.num_layers,
+            runner.config.num_attention_heads,
+            runner.num_kv_heads,
+            runner.head_dim,
+            bandwidth,
+            matmul_flops,
+        ).floor_s
 
     def _sync(self) -> None:
         if str(self.runner.device).startswith("cuda"):
@@ -98,9 +104,14 @@ class OneBatchBench:
 
     def _make_reqs(self, batch_size: int, input_len: int, output_len: int) -> list[Req]:
         prompts = generate_random_requests(batch_size, input_len, output_len, 1.0, self.space, seed=self.seed)
-        return [Req(rid=f"bench-{i}", origin_input_ids=p.prompt_ids,
-                    sampling_params=SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
-                for i, p in enumerate(prompts)]
+        return [
+            Req(
+                rid=f"bench-{i}",
+                origin_input_ids=p.prompt_ids,
+                sampling_params=SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True),
+            )
+            for i, p in enumerate(prompts)
+        ]
 
     def _step(self, reqs: list[Req], mode: ForwardMode) -> float:
         """Run one forward of `reqs`; append the sampled tokens; return its latency (s)."""
@@ -110,8 +121,9 @@ class OneBatchBench:
             for req in reqs:
                 self.kv.match_and_lock(req, 0)
             lens = [len(r.seq_ids) for r in reqs]
-            batch = ScheduleBatch(reqs=reqs, forward_mode=mode, extend_lens=lens,
-                                  out_cache_loc=self.kv.alloc_extend(reqs, lens))
+            batch = ScheduleBatch(
+                reqs=reqs, forward_mode=mode, extend_lens=lens, out_cache_loc=self.kv.alloc_extend(reqs, lens)
+            )
         else:
             batch = ScheduleBatch(reqs=reqs, forward_mode=mode, out_cache_loc=self.kv.alloc_decode(reqs))
         mwb = batch.launch(self.runner.vocab_size, self.runner.device)
@@ -134,11 +146,17 @@ class OneBatchBench:
         total = prefill + sum(decodes)
         median_decode = statistics.median(decodes) if decodes else 0.0
         return OneBatchResult(
-            run_name=run_name, batch_size=batch_size, input_len=input_len, output_len=output_len,
-            prefill_latency=prefill, prefill_throughput=batch_size * input_len / prefill,
+            run_name=run_name,
+            batch_size=batch_size,
+            input_len=input_len,
+            output_len=output_len,
+            prefill_latency=prefill,
+            prefill_throughput=batch_size * input_len / prefill,
             median_decode_latency=median_decode,
             median_decode_throughput=batch_size / median_decode if median_decode > 0 else 0.0,
-            total_latency=total, overall_throughput=batch_size * (input_len + output_len) / total)
+            total_latency=total,
+            overall_throughput=batch_size * (input_len + output_len) / total,
+        )
 
 
 def resolve_server_args(args: argparse.Namespace) -> ServerArgs:
@@ -155,16 +173,20 @@ def resolve_server_args(args: argparse.Namespace) -> ServerArgs:
 
 
 def format_table(rows: list[OneBatchResult]) -> str:
-    header = (f"{'bs':>4} {'in':>6} {'out':>5} | {'prefill s':>10} {'prefill tok/s':>14} | "
-              f"{'decode s':>10} {'decode tok/s':>13} | {'total s':>9} {'total tok/s':>12}")
+    header = (
+        f"{'bs':>4} {'in':>6} {'out':>5} | {'prefill s':>10} {'prefill tok/s':>14} | "
+        f"{'decode s':>10} {'decode tok/s':>13} | {'total s':>9} {'total tok/s':>12}"
+    )
     with_floor = any(r.decode_floor is not None for r in rows)
     if with_floor:
         header += f" | {'floor s':>9} {'x floor':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        line = (f"{r.batch_size:>4} {r.input_len:>6} {r.output_len:>5} | {r.prefill_latency:>10.4f} "
-                f"{r.prefill_throughput:>14.1f} | {r.median_decode_latency:>10.5f} "
-                f"{r.median_decode_throughput:>13.1f} | {r.total_latency:>9.3f} {r.overall_throughput:>12.1f}")
+        line = (
+            f"{r.batch_size:>4} {r.input_len:>6} {r.output_len:>5} | {r.prefill_latency:>10.4f} "
+            f"{r.prefill_throughput:>14.1f} | {r.median_decode_latency:>10.5f} "
+            f"{r.median_decode_throughput:>13.1f} | {r.total_latency:>9.3f} {r.overall_throughput:>12.1f}"
+        )
         if with_floor and r.decode_floor is not None:
             line += f" | {r.decode_floor:>9.5f} {r.floor_multiple:>8.2f}"
         lines.append(line)
@@ -172,8 +194,9 @@ def format_table(rows: list[OneBatchResult]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tandem.bench_one_batch",
-                                description="Prefill and decode latency of the model runner alone.")
+    p = argparse.ArgumentParser(
+        prog="python -m tandem.bench_one_batch", description="Prefill and decode latency of the model runner alone."
+    )
     ServerArgs.add_cli_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, nargs="+", default=[1024])
@@ -203,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         for input_len in args.input_len:
             for output_len in args.output_len:
                 if input_len + output_len > context_len:
-                    print(f"skip bs={bs} in={input_len} out={output_len}: longer than the context "
-                          f"({context_len})", file=sys.stderr)
+                    print(
+                        f"skip bs={bs} in={input_len} out={output_len}: longer than the context ({context_len})",
+                        file=sys.stderr,
+                    )
                     continue
                 if args.warmup:
                     bench.run_once(bs, input_len, min(output_len, WARMUP_OUTPUT_LEN))
@@ -213,15 +238,24 @@ def main(argv: list[str] | None = None) -> int:
                     flops = measure_matmul_flops(bs, bench.runner.dtype)
                     row.decode_floor = bench.floor(bs, input_len, output_len, bandwidth, flops)
                     row.floor_multiple = row.median_decode_latency / row.decode_floor
-                    print(f"bs={bs}: matmul {flops / 1e9:.1f} GFLOP/s, decode floor {row.decode_floor:.5f} s "
-                          f"({row.floor_multiple:.2f}x)", flush=True)
+                    print(
+                        f"bs={bs}: matmul {flops / 1e9:.1f} GFLOP/s, decode floor {row.decode_floor:.5f} s "
+                        f"({row.floor_multiple:.2f}x)",
+                        flush=True,
+                    )
                 rows.append(row)
-                print(f"bs={bs} in={input_len} out={output_len}: prefill {row.prefill_latency:.4f} s, "
-                      f"median decode {row.median_decode_latency:.5f} s, total {row.total_latency:.3f} s",
-                      flush=True)
+                print(
+                    f"bs={bs} in={input_len} out={output_len}: prefill {row.prefill_latency:.4f} s, "
+                    f"median decode {row.median_decode_latency:.5f} s, total {row.total_latency:.3f} s",
+                    flush=True,
+                )
                 if args.output_file:
-                    record = {**row.__dict__, "model_path": server_args.model_path,
-                              "device": server_args.device, "dtype": str(bench.runner.dtype)}
+                    record = {
+                        **row.__dict__,
+                        "model_path": server_args.model_path,
+                        "device": server_args.device,
+                        "dtype": str(bench.runner.dtype),
+                    }
                     with open(args.output_file, "a") as f:
                         f.write(json.dumps(record) + "\n")
     print(format_table(rows))

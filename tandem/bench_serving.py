@@ -101,8 +101,10 @@ WARMUP_MAX_OUTPUT = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tandem.bench_serving",
-                                description="Benchmark the online serving throughput and latency of a running server.")
+    p = argparse.ArgumentParser(
+        prog="python -m tandem.bench_serving",
+        description="Benchmark the online serving throughput and latency of a running server.",
+    )
     p.add_argument("--backend", choices=NATIVE_BACKENDS + OPENAI_BACKENDS, default="tandem")
     p.add_argument("--base-url", default=None)
     p.add_argument("--host", default="127.0.0.1")
@@ -116,10 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--gsp-num-groups", "--shared-prefix-groups", dest="gsp_num_groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", "--questions-per-group", dest="gsp_prompts_per_group", type=int,
-                   default=16)
-    p.add_argument("--gsp-system-prompt-len", "--shared-prefix-len", dest="gsp_system_prompt_len", type=int,
-                   default=1024)
+    p.add_argument(
+        "--gsp-prompts-per-group", "--questions-per-group", dest="gsp_prompts_per_group", type=int, default=16
+    )
+    p.add_argument(
+        "--gsp-system-prompt-len", "--shared-prefix-len", dest="gsp_system_prompt_len", type=int, default=1024
+    )
     p.add_argument("--gsp-question-len", type=int, default=128)
     p.add_argument("--gsp-output-len", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=float("inf"))
@@ -170,11 +174,12 @@ async def resolve_model_name(client: httpx.AsyncClient, args: argparse.Namespace
     try:
         return models["data"][0]["id"]
     except (TypeError, KeyError, IndexError):
-        raise SystemExit(f"--model not given and GET {base_url}/v1/models named no model")
+        raise SystemExit(f"--model not given and GET {base_url}/v1/models named no model") from None
 
 
-async def resolve_tokenizer(client: httpx.AsyncClient, args: argparse.Namespace, base_url: str,
-                            model: str | None) -> str:
+async def resolve_tokenizer(
+    client: httpx.AsyncClient, args: argparse.Namespace, base_url: str, model: str | None
+) -> str:
     candidates = [args.tokenizer, args.model]
     if args.tokenizer is None:
         if args.backend in NATIVE_BACKENDS:
@@ -213,11 +218,22 @@ def make_target(backend: str, base_url: str, model: str | None, extra: dict[str,
 def build_payload(target: Target, req: BenchRequest) -> dict[str, Any]:
     if target.backend in NATIVE_BACKENDS:
         extra = dict(target.extra)
-        sampling = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
-                    **extra.pop("sampling_params", {}), **extra}
+        sampling = {
+            "max_new_tokens": req.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            **extra.pop("sampling_params", {}),
+            **extra,
+        }
         return {"input_ids": req.prompt_ids, "sampling_params": sampling, "stream": True}
-    payload = {"prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": req.prompt_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if target.model:
         payload["model"] = target.model
     payload.update(target.extra)
@@ -323,16 +339,34 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
 def build_requests(args: argparse.Namespace, tokenizer_path: str) -> list[BenchRequest]:
     space = load_token_space(tokenizer_path)
     if args.dataset_name == "random":
-        return generate_random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                        args.random_range_ratio, space, seed=args.seed)
-    return generate_shared_prefix_requests(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                           args.gsp_system_prompt_len, args.gsp_question_len,
-                                           args.gsp_output_len, space, seed=args.seed)
+        return generate_random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            space,
+            seed=args.seed,
+        )
+    return generate_shared_prefix_requests(
+        args.gsp_num_groups,
+        args.gsp_prompts_per_group,
+        args.gsp_system_prompt_len,
+        args.gsp_question_len,
+        args.gsp_output_len,
+        space,
+        seed=args.seed,
+    )
 
 
-async def run_requests(client: httpx.AsyncClient, target: Target, requests: list[BenchRequest],
-                       request_rate: float, max_concurrency: int | None, seed: int,
-                       disable_tqdm: bool = True) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    client: httpx.AsyncClient,
+    target: Target,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    disable_tqdm: bool = True,
+) -> tuple[list[RequestResult], float]:
     """Send every request at its Poisson arrival time (at most `max_concurrency` in
     flight); return the results in request order and the run's duration in seconds."""
     from tqdm.auto import tqdm
@@ -374,13 +408,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         for _ in range(args.warmup_requests):
             warm = requests[0]
-            res = await send_request(client, target, BenchRequest(warm.prompt_ids, min(warm.output_len,
-                                                                                       WARMUP_MAX_OUTPUT)))
+            res = await send_request(
+                client, target, BenchRequest(warm.prompt_ids, min(warm.output_len, WARMUP_MAX_OUTPUT))
+            )
             if not res.success:
                 raise SystemExit(f"warm-up request failed: {res.error}")
 
-        results, duration = await run_requests(client, target, requests, args.request_rate,
-                                               args.max_concurrency, args.seed, args.disable_tqdm)
+        results, duration = await run_requests(
+            client, target, requests, args.request_rate, args.max_concurrency, args.seed, args.disable_tqdm
+        )
     metrics = compute_metrics(results, duration)
     errors = sorted({r.error for r in results if not r.success})
     record = {
@@ -397,12 +433,19 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "timestamp": time.time(),
     }
     if args.dataset_name == "random":
-        record.update(random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                      random_range_ratio=args.random_range_ratio)
+        record.update(
+            random_input_len=args.random_input_len,
+            random_output_len=args.random_output_len,
+            random_range_ratio=args.random_range_ratio,
+        )
     else:
-        record.update(gsp_num_groups=args.gsp_num_groups, gsp_prompts_per_group=args.gsp_prompts_per_group,
-                      gsp_system_prompt_len=args.gsp_system_prompt_len, gsp_question_len=args.gsp_question_len,
-                      gsp_output_len=args.gsp_output_len)
+        record.update(
+            gsp_num_groups=args.gsp_num_groups,
+            gsp_prompts_per_group=args.gsp_prompts_per_group,
+            gsp_system_prompt_len=args.gsp_system_prompt_len,
+            gsp_question_len=args.gsp_question_len,
+            gsp_output_len=args.gsp_output_len,
+        )
     record.update(metrics)
     record["errors"] = errors[:5]
     return record
@@ -410,19 +453,26 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_report(r: dict[str, Any]) -> str:
     row = report_row
-    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
-             row("Backend:", r["backend"]),
-             row("Traffic request rate:", r["request_rate"]),
-             row("Max request concurrency:", r["max_concurrency"] or "not set"),
-             *run_summary_rows(r, with_cached_tokens=True),
-             row("Concurrency:", r["concurrency"], ".2f")]
-    for title, key in (("End-to-End Latency", "e2e_latency"), ("Time to First Token", "ttft"),
-                       ("Time per Output Token (excl. 1st token)", "tpot"), ("Inter-Token Latency", "itl")):
+    lines = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        row("Backend:", r["backend"]),
+        row("Traffic request rate:", r["request_rate"]),
+        row("Max request concurrency:", r["max_concurrency"] or "not set"),
+        *run_summary_rows(r, with_cached_tokens=True),
+        row("Concurrency:", r["concurrency"], ".2f"),
+    ]
+    for title, key in (
+        ("End-to-End Latency", "e2e_latency"),
+        ("Time to First Token", "ttft"),
+        ("Time per Output Token (excl. 1st token)", "tpot"),
+        ("Inter-Token Latency", "itl"),
+    ):
         lines.append("{s:{c}^50}".format(s=title, c="-"))
         label = {"e2e_latency": "E2E Latency"}.get(key, key.upper())
         for stat in ("mean", "median", "p99"):
-            lines.append(row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms):",
-                             r[f"{stat}_{key}_ms"], ".2f"))
+            lines.append(
+                row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms):", r[f"{stat}_{key}_ms"], ".2f")
+            )
     lines.append("=" * 50)
     if r["errors"]:
         lines.append("errors: " + " | ".join(r["errors"]))

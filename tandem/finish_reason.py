@@ -28,8 +28,11 @@ def length(n: int) -> FinishReason:
 
 
 def abort(message: str, status_code: int | None = None) -> FinishReason:
-    return {"type": "abort", "message": message} if status_code is None else {
-        "type": "abort", "status_code": status_code, "message": message}
+    return (
+        {"type": "abort", "message": message}
+        if status_code is None
+        else {"type": "abort", "status_code": status_code, "message": message}
+    )
 
 
 def internal_error(where: str, exc: BaseException) -> FinishReason:

@@ -51,33 +51,49 @@ class ForwardBatch:
     num_prefill: int | None = None
 
     @classmethod
-    def for_rows(cls, mode: ForwardMode, input_ids: list[int], prefix_lens: list[int], extend_lens: list[int],
-                 slots: list[list[int]], device: str = "cpu") -> "ForwardBatch":
+    def for_rows(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        slots: list[list[int]],
+        device: str = "cpu",
+    ) -> ForwardBatch:
         """A batch of requests in ReqToTokenPool rows 0..bs-1, where `slots[i][pos]` is
         the KV slot of request i's token `pos` (already written to its row): for tests and
         benchmarks that drive a ModelRunner without a scheduler."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         return cls(
-            forward_mode=mode, batch_size=len(seq_lens), input_ids=torch.tensor(input_ids, device=device),
-            positions=torch.tensor([p for pre, n in zip(prefix_lens, extend_lens) for p in range(pre, pre + n)],
-                                   device=device),
-            out_cache_loc=torch.tensor([s for pre, n, row in zip(prefix_lens, extend_lens, slots)
-                                        for s in row[pre:pre + n]], device=device),
+            forward_mode=mode,
+            batch_size=len(seq_lens),
+            input_ids=torch.tensor(input_ids, device=device),
+            positions=torch.tensor(
+                [p for pre, n in zip(prefix_lens, extend_lens) for p in range(pre, pre + n)], device=device
+            ),
+            out_cache_loc=torch.tensor(
+                [s for pre, n, row in zip(prefix_lens, extend_lens, slots) for s in row[pre : pre + n]], device=device
+            ),
             req_pool_indices=torch.arange(len(seq_lens), device=device),
             seq_lens=torch.tensor(seq_lens, device=device),
-            seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens)
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+        )
 
     def is_mixed(self) -> bool:
         return self.num_prefill is not None
 
-    def mixed_parts(self) -> tuple["ForwardBatch", "ForwardBatch"]:
+    def mixed_parts(self) -> tuple[ForwardBatch, ForwardBatch]:
         """A mixed batch as its prefill part (EXTEND) and its decode part (DECODE)."""
         assert self.is_mixed()
         split = self.num_prefill
-        return (self.sub_batch(0, split, ForwardMode.EXTEND),
-                self.sub_batch(split, self.batch_size, ForwardMode.DECODE))
+        return (
+            self.sub_batch(0, split, ForwardMode.EXTEND),
+            self.sub_batch(split, self.batch_size, ForwardMode.DECODE),
+        )
 
-    def sub_batch(self, start: int, end: int, mode: ForwardMode) -> "ForwardBatch":
+    def sub_batch(self, start: int, end: int, mode: ForwardMode) -> ForwardBatch:
         """Requests start..end-1 as a batch of their own in `mode` (token tensors are views)."""
         lo = sum(self.extend_lens_cpu[:start])
         hi = lo + sum(self.extend_lens_cpu[start:end])
@@ -87,12 +103,20 @@ class ForwardBatch:
             return values[start:end] if extend and values is not None else None
 
         return ForwardBatch(
-            forward_mode=mode, batch_size=end - start, input_ids=self.input_ids[lo:hi],
-            positions=self.positions[lo:hi], out_cache_loc=self.out_cache_loc[lo:hi],
-            req_pool_indices=self.req_pool_indices[start:end], seq_lens=self.seq_lens[start:end],
-            seq_lens_cpu=self.seq_lens_cpu[start:end], prefix_lens_cpu=self.prefix_lens_cpu[start:end],
-            extend_lens_cpu=self.extend_lens_cpu[start:end], input_logprob_starts=pick(self.input_logprob_starts),
-            top_logprobs_nums=pick(self.top_logprobs_nums), token_ids_logprobs=pick(self.token_ids_logprobs))
+            forward_mode=mode,
+            batch_size=end - start,
+            input_ids=self.input_ids[lo:hi],
+            positions=self.positions[lo:hi],
+            out_cache_loc=self.out_cache_loc[lo:hi],
+            req_pool_indices=self.req_pool_indices[start:end],
+            seq_lens=self.seq_lens[start:end],
+            seq_lens_cpu=self.seq_lens_cpu[start:end],
+            prefix_lens_cpu=self.prefix_lens_cpu[start:end],
+            extend_lens_cpu=self.extend_lens_cpu[start:end],
+            input_logprob_starts=pick(self.input_logprob_starts),
+            top_logprobs_nums=pick(self.top_logprobs_nums),
+            token_ids_logprobs=pick(self.token_ids_logprobs),
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -90,7 +90,7 @@ class ControlOutput:
     request_id: str
 
     @classmethod
-    def merge(cls, replies: list["ControlOutput"]) -> "ControlOutput":
+    def merge(cls, replies: list[ControlOutput]) -> ControlOutput:
         """One reply from every data-parallel replica's (in DP-rank order), for the data
         parallel controller: the first that failed (`success` false), else replica 0's."""
         return next((r for r in replies if getattr(r, "success", True) is False), replies[0])
@@ -238,17 +238,19 @@ class ServerStateOutput(ControlOutput):
     gen_throughput: float = 0.0
     # --dp-size > 1: each replica's own state, in DP-rank order (the fields above are
     # then their sums; the idle fraction their mean; the weight version replica 0's).
-    dp_rank_states: list["ServerStateOutput"] | None = None
+    dp_rank_states: list[ServerStateOutput] | None = None
 
     @classmethod
-    def merge(cls, replies: list["ServerStateOutput"]) -> "ServerStateOutput":
+    def merge(cls, replies: list[ServerStateOutput]) -> ServerStateOutput:
         first = replies[0]
-        summed = {f.name: sum(getattr(r, f.name) for r in replies)
-                  for f in dataclasses.fields(cls) if f.type == "int"}
+        summed = {f.name: sum(getattr(r, f.name) for r in replies) for f in dataclasses.fields(cls) if f.type == "int"}
         return dataclasses.replace(
-            first, **summed, dp_rank_states=list(replies),
+            first,
+            **summed,
+            dp_rank_states=list(replies),
             forward_idle_fraction=sum(r.forward_idle_fraction for r in replies) / len(replies),
-            gen_throughput=round(sum(r.gen_throughput for r in replies), 2))
+            gen_throughput=round(sum(r.gen_throughput for r in replies), 2),
+        )
 
 
 @dataclass
@@ -270,7 +272,8 @@ class DetokenizeParams:
 
 @dataclass(slots=True)
 class ReqOutput:
-    """What one request produced in one scheduler step (one record per request; docs/architecture.md, "Processes and pipes").
+    """What one request produced in one scheduler step (one record per request;
+    docs/architecture.md, "Processes and pipes").
 
     `new_token_ids` holds only the ids produced since the previous record for that rid.
     `finished_reason` is None while the request runs, else SGLang's dict:

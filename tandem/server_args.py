@@ -154,8 +154,13 @@ class ServerArgs:
             raise ValueError("--cuda-graph-bs: batch sizes must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
-        for name in ("context_length", "max_running_requests", "max_total_tokens", "max_queued_requests",
-                     "max_request_body_bytes"):
+        for name in (
+            "context_length",
+            "max_running_requests",
+            "max_total_tokens",
+            "max_queued_requests",
+            "max_request_body_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}: must be positive")
@@ -189,11 +194,14 @@ class ServerArgs:
         quantized kernels: refused where they cannot serve it."""
         flag = f"--quantization {self.quantization}"
         if self.load_format == "gguf":
-            raise ValueError(f"{flag} quantizes a Hugging Face checkpoint at load, but --model-path "
-                             f"{self.model_path!r} is a GGUF model (served with its own blocks: drop {flag})")
+            raise ValueError(
+                f"{flag} quantizes a Hugging Face checkpoint at load, but --model-path "
+                f"{self.model_path!r} is a GGUF model (served with its own blocks: drop {flag})"
+            )
         if self.linear_backend != "auto":
-            raise ValueError(f"{flag} with --linear-backend {self.linear_backend}: only the auto backend has "
-                             "the quantized kernels")
+            raise ValueError(
+                f"{flag} with --linear-backend {self.linear_backend}: only the auto backend has the quantized kernels"
+            )
         if self.device.split(":")[0] != "cpu":
             raise ValueError(f"{flag} with --device {self.device}: the quantized kernels are CPU-only")
 
@@ -218,105 +226,232 @@ class ServerArgs:
         add("--tokenizer-path", default=None, help="Tokenizer directory (default: the model path).")
         add("--host", default="127.0.0.1", help="Address the HTTP server binds.")
         add("--port", type=int, default=30000, help="Port of the HTTP server.")
-        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        add(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
             help="Weight and activation dtype; auto = the config's dtype on GPU; on CPU bfloat16 for a "
-                 "bfloat16/float16 model where the CPU has AVX-512 BF16 or AMX, else float32.")
+            "bfloat16/float16 model where the CPU has AVX-512 BF16 or AMX, else float32.",
+        )
         add("--device", default=None, help="cpu or cuda (default: cuda when available).")
-        add("--context-length", type=int, default=None,
-            help="Longest prompt + output in tokens (default: the model's max_position_embeddings).")
-        add("--max-running-requests", type=int, default=None,
-            help="Most requests decoded together (default: 256, capped by the KV capacity).")
-        add("--max-total-tokens", type=int, default=None,
-            help="KV cache capacity in tokens (default: from --mem-fraction-static).")
-        add("--mem-fraction-static", type=float, default=None,
-            help="Fraction of device memory for weights + KV cache (GPU) or of free RAM for the KV cache (CPU).")
-        add("--random-seed", type=int, default=None,
-            help="Seed of the sampler's generator and of --load-format dummy weights (default: random, as SGLang).")
+        add(
+            "--context-length",
+            type=int,
+            default=None,
+            help="Longest prompt + output in tokens (default: the model's max_position_embeddings).",
+        )
+        add(
+            "--max-running-requests",
+            type=int,
+            default=None,
+            help="Most requests decoded together (default: 256, capped by the KV capacity).",
+        )
+        add(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV cache capacity in tokens (default: from --mem-fraction-static).",
+        )
+        add(
+            "--mem-fraction-static",
+            type=float,
+            default=None,
+            help="Fraction of device memory for weights + KV cache (GPU) or of free RAM for the KV cache (CPU).",
+        )
+        add(
+            "--random-seed",
+            type=int,
+            default=None,
+            help="Seed of the sampler's generator and of --load-format dummy weights (default: random, as SGLang).",
+        )
         add("--served-model-name", default=None, help="Model name reported by the API (default: the model path).")
         add("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
-        add("--log-level-http", default=None, choices=LOG_LEVELS,
-            help="Logging level of the HTTP server (default: --log-level).")
+        add(
+            "--log-level-http",
+            default=None,
+            choices=LOG_LEVELS,
+            help="Logging level of the HTTP server (default: --log-level).",
+        )
         add("--skip-server-warmup", action="store_true", help="Do not run a warm-up request before serving.")
-        add("--incremental-streaming-output", action="store_true",
-            help="Stream only the new text in each /generate chunk instead of the text so far.")
+        add(
+            "--incremental-streaming-output",
+            action="store_true",
+            help="Stream only the new text in each /generate chunk instead of the text so far.",
+        )
         add("--max-prefill-tokens", type=int, default=16384, help="Most prompt tokens in one prefill batch.")
-        add("--disable-radix-cache", action="store_true",
-            help="Reuse no cached prefixes (a cache with the same interface that keeps nothing).")
-        add("--chunked-prefill-size", type=int, default=None,
+        add(
+            "--disable-radix-cache",
+            action="store_true",
+            help="Reuse no cached prefixes (a cache with the same interface that keeps nothing).",
+        )
+        add(
+            "--chunked-prefill-size",
+            type=int,
+            default=None,
             help="Prefill prompts longer than this in chunks interleaved with decode steps; -1 disables "
-                 "(default: from the device memory, as SGLang: 2048 under 20 GiB, 4096 under 60, 8192 "
-                 "under 160, else 16384).")
-        add("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
-            help="Order of waiting requests: first come first served, or longest cached prefix first.")
-        add("--max-queued-requests", type=int, default=None,
-            help="Reject new requests with HTTP 503 while this many are waiting.")
-        add("--skip-tokenizer-init", action="store_true",
-            help="Load no tokenizer: requests carry input_ids, responses carry output_ids only.")
+            "(default: from the device memory, as SGLang: 2048 under 20 GiB, 4096 under 60, 8192 "
+            "under 160, else 16384).",
+        )
+        add(
+            "--schedule-policy",
+            default="fcfs",
+            choices=["fcfs", "lpm"],
+            help="Order of waiting requests: first come first served, or longest cached prefix first.",
+        )
+        add(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="Reject new requests with HTTP 503 while this many are waiting.",
+        )
+        add(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="Load no tokenizer: requests carry input_ids, responses carry output_ids only.",
+        )
         add("--stream-interval", type=int, default=1, help="Send a streaming chunk every N decode steps.")
-        add("--api-key", default=None,
-            help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.")
-        add("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
-            help="Answer 413 to a request whose body is larger than this (default 32 MiB).")
-        add("--chat-template", default=None,
-            help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).")
-        add("--enable-mixed-chunk", action="store_true",
+        add(
+            "--api-key",
+            default=None,
+            help="Require 'Authorization: Bearer KEY' on every route except /health and /health_generate.",
+        )
+        add(
+            "--max-request-body-bytes",
+            type=int,
+            default=32 * 1024 * 1024,
+            help="Answer 413 to a request whose body is larger than this (default 32 MiB).",
+        )
+        add(
+            "--chat-template",
+            default=None,
+            help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).",
+        )
+        add(
+            "--enable-mixed-chunk",
+            action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "
-                 "instead of pausing them for it.")
-        add("--disable-overlap-schedule", action="store_true", default=None,
+            "instead of pausing them for it.",
+        )
+        add(
+            "--disable-overlap-schedule",
+            action="store_true",
+            default=None,
             help="Run the normal scheduler loop: process each batch's result before forming the next, "
-                 "instead of while the next one computes (default on CPU).")
-        add("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_false", default=None,
-            help="Run the overlap loop on CPU too (the default on CUDA).")
-        add("--watchdog-timeout", type=float, default=300.0,
+            "instead of while the next one computes (default on CPU).",
+        )
+        add(
+            "--enable-overlap-schedule",
+            dest="disable_overlap_schedule",
+            action="store_false",
+            default=None,
+            help="Run the overlap loop on CPU too (the default on CUDA).",
+        )
+        add(
+            "--watchdog-timeout",
+            type=float,
+            default=300.0,
             help="If a forward step takes longer than this many seconds, dump the stacks and the batch "
-                 "to the log and bring the server down (a hung server is worse than none).")
-        add("--graceful-shutdown-timeout", type=float, default=30.0,
+            "to the log and bring the server down (a hung server is worse than none).",
+        )
+        add(
+            "--graceful-shutdown-timeout",
+            type=float,
+            default=30.0,
             help="On SIGTERM or SIGINT, seconds the running requests get to finish (new ones get 503) "
-                 "before they are aborted and the server exits; 0 aborts them at once.")
-        add("--linear-backend", default="auto", choices=["auto", "torch"],
+            "before they are aborted and the server exits; 0 aborts them at once.",
+        )
+        add(
+            "--linear-backend",
+            default="auto",
+            choices=["auto", "torch"],
             help="Matmul kernel of linear layers: auto = weights prepacked for oneDNN on CPU "
-                 "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.")
-        add("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+            "(float32/bfloat16), F.linear elsewhere; torch = F.linear on the weights as loaded.",
+        )
+        add(
+            "--attention-backend",
+            default=None,
+            choices=ATTENTION_BACKENDS,
             help="Attention kernels: triton (the default on CUDA) or torch_native (plain PyTorch, the "
-                 "default elsewhere).")
-        add("--disable-cuda-graph", action="store_true",
+            "default elsewhere).",
+        )
+        add(
+            "--disable-cuda-graph",
+            action="store_true",
             help="Run decode eagerly instead of replaying CUDA graphs (CUDA graphs need CUDA, "
-                 "--attention-backend triton and --tp-size 1; elsewhere decode is always eager).")
-        add("--cuda-graph-max-bs", type=int, default=None,
+            "--attention-backend triton and --tp-size 1; elsewhere decode is always eager).",
+        )
+        add(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=None,
             help="Largest decode batch run as a CUDA graph; larger batches run eagerly (default: "
-                 "--max-running-requests, at most 256).")
-        add("--cuda-graph-bs", type=int, nargs="+", default=None,
+            "--max-running-requests, at most 256).",
+        )
+        add(
+            "--cuda-graph-bs",
+            type=int,
+            nargs="+",
+            default=None,
             help="The batch sizes to capture (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs); "
-                 "sizes above --cuda-graph-max-bs (at most --max-running-requests) give way to that cap; "
-                 "a batch runs padded to the smallest captured size that holds it.")
-        add("--enable-torch-compile", action="store_true",
+            "sizes above --cuda-graph-max-bs (at most --max-running-requests) give way to that cap; "
+            "a batch runs padded to the smallest captured size that holds it.",
+        )
+        add(
+            "--enable-torch-compile",
+            action="store_true",
             help="torch_native attention: decode reads the paged KV pool in place through a kernel "
-                 "compiled by torch.compile (Inductor; needs a C++ compiler), compiled at start "
-                 "(5-40 s on 2 CPU cores) for every batch size and length; one log line at start says what "
-                 "it compiles, or why nothing (the C++ CPU decode kernel, or --attention-backend triton).")
-        add("--enable-metrics", action="store_true",
-            help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).")
-        add("--log-requests", action="store_true",
-            help="Log every request and its outcome; the verbosity is set by --log-requests-level.")
-        add("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
+            "compiled by torch.compile (Inductor; needs a C++ compiler), compiled at start "
+            "(5-40 s on 2 CPU cores) for every batch size and length; one log line at start says what "
+            "it compiles, or why nothing (the C++ CPU decode kernel, or --attention-backend triton).",
+        )
+        add(
+            "--enable-metrics",
+            action="store_true",
+            help="Serve Prometheus metrics at GET /metrics (SGLang's names and labels).",
+        )
+        add(
+            "--log-requests",
+            action="store_true",
+            help="Log every request and its outcome; the verbosity is set by --log-requests-level.",
+        )
+        add(
+            "--log-requests-level",
+            type=int,
+            default=2,
+            choices=[0, 1, 2, 3],
             help="0: metadata only; 1: and sampling parameters; 2: and inputs/outputs cut to 2048 "
-                 "characters or tokens; 3: everything, uncut.")
-        add("--constrained-json-disable-any-whitespace", action="store_true",
+            "characters or tokens; 3: everything, uncut.",
+        )
+        add(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
             help="JSON schemas allow no free whitespace: the output is compact, one space after ',' "
-                 "and ':' (a model cannot loop on whitespace); default: any whitespace, as SGLang.")
-        add("--node-rank", type=int, default=0,
-            help="This node's rank among --nnodes (0 runs the HTTP server; the others run only their "
-                 "scheduler ranks).")
-        add("--dist-init-addr", "--nccl-init-addr", default=None,
+            "and ':' (a model cannot loop on whitespace); default: any whitespace, as SGLang.",
+        )
+        add(
+            "--node-rank",
+            type=int,
+            default=0,
+            help="This node's rank among --nnodes (0 runs the HTTP server; the others run only their scheduler ranks).",
+        )
+        add(
+            "--dist-init-addr",
+            "--nccl-init-addr",
+            default=None,
             help="HOST:PORT of node 0 where the ranks of every node meet (torch.distributed's TCP "
-                 "rendezvous); required with --nnodes > 1.")
-        add("--load-balance-method", default="round_robin", choices=LOAD_BALANCE_METHODS,
+            "rendezvous); required with --nnodes > 1.",
+        )
+        add(
+            "--load-balance-method",
+            default="round_robin",
+            choices=LOAD_BALANCE_METHODS,
             help="How the data-parallel controller (--dp-size > 1) picks the replica of each request: "
-                 "in turn, or the one with the fewest requests in flight.")
+            "in turn, or the one with the fewest requests in flight.",
+        )
         add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
@@ -329,10 +464,14 @@ def default_chunked_prefill_size(device: str) -> int:
     CPU at most 512 tokens per core (at least 1024): a CPU prefill forward is compute-bound
     at any chunk size (1024 tokens of a 100M model take ~0.6 s on 2 cores), so a smaller
     chunk costs little throughput and gives a burst of requests their first tokens sooner
-    (docs/perf-log/scheduling.md, "The CPU chunk size": 64 requests at once, median TTFT -15 to -30% at 1024 vs 4096)."""
+    (docs/perf-log/scheduling.md, "The CPU chunk size": 64 requests at once, median TTFT -15
+    to -30% at 1024 vs 4096)."""
     mib = _device_memory_mib(device)
-    by_memory = 4096 if mib is None else next(
-        (size for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)) if mib < limit_gib * 1024), 16384)
+    by_memory = (
+        4096
+        if mib is None
+        else next((size for limit_gib, size in ((20, 2048), (60, 4096), (160, 8192)) if mib < limit_gib * 1024), 16384)
+    )
     if device == "cpu":
         return min(by_memory, max(1024, 512 * len(os.sched_getaffinity(0))))
     return by_memory
@@ -390,6 +529,6 @@ class PortArgs:
         return f"ipc://{self.ipc_dir}/tokenizer_worker_{worker_id}"
 
     @classmethod
-    def create(cls) -> "PortArgs":
+    def create(cls) -> PortArgs:
         """Make a fresh private directory (mode 0700) for this server's sockets."""
         return cls(ipc_dir=make_ipc_dir())

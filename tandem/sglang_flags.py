@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tandem.function_call.function_call_parser import ToolCallParserEnum
 
@@ -54,74 +55,168 @@ _FLAG = {"action": "store_true"}
 
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     # Features that exist, in the form that exists.
-    CompatFlag("tp_size", ("--tp-size", "--tp", "--tensor-parallel-size"),
-               "the tensor-parallel size must be at least 1", _at_least(1), parse=_INT),
-    CompatFlag("dp_size", ("--dp-size", "--dp", "--data-parallel-size"),
-               "the data-parallel size must be at least 1", _at_least(1), parse=_INT),
-    CompatFlag("pp_size", ("--pp-size", "--pipeline-parallel-size"),
-               "pipeline parallelism is not built yet (only 1)", _is(1), parse=_INT),
-    CompatFlag("ep_size", ("--ep-size", "--expert-parallel-size"),
-               "expert parallelism is not built yet (only 1)", _is(1), parse=_INT),
+    CompatFlag(
+        "tp_size",
+        ("--tp-size", "--tp", "--tensor-parallel-size"),
+        "the tensor-parallel size must be at least 1",
+        _at_least(1),
+        parse=_INT,
+    ),
+    CompatFlag(
+        "dp_size",
+        ("--dp-size", "--dp", "--data-parallel-size"),
+        "the data-parallel size must be at least 1",
+        _at_least(1),
+        parse=_INT,
+    ),
+    CompatFlag(
+        "pp_size",
+        ("--pp-size", "--pipeline-parallel-size"),
+        "pipeline parallelism is not built yet (only 1)",
+        _is(1),
+        parse=_INT,
+    ),
+    CompatFlag(
+        "ep_size",
+        ("--ep-size", "--expert-parallel-size"),
+        "expert parallelism is not built yet (only 1)",
+        _is(1),
+        parse=_INT,
+    ),
     CompatFlag("nnodes", ("--nnodes",), "the number of nodes must be at least 1", _at_least(1), parse=_INT),
-    CompatFlag("tokenizer_worker_num", ("--tokenizer-worker-num",),
-               "the number of tokenizer workers must be at least 1", _at_least(1), parse=_INT),
-    CompatFlag("load_format", ("--load-format",),
-               "only auto, safetensors, gguf and dummy are built",
-               _is("auto", "safetensors", "gguf", "dummy")),
-    CompatFlag("page_size", ("--page-size",), "paged KV memory is not built yet (only page size 1)",
-               _is(None, 1), parse=_INT),
-    CompatFlag("kv_cache_dtype", ("--kv-cache-dtype",),
-               "a KV cache dtype other than the model's is not built yet (only auto)", _is("auto")),
-    CompatFlag("quantization", ("--quantization",),
-               "not supported; the methods built are gguf (a GGUF model's own blocks; implied by a GGUF "
-               f"path) and {', '.join(QUANTIZE_AT_LOAD)} (a Hugging Face checkpoint quantized at load)",
-               _is(None, "gguf", *QUANTIZE_AT_LOAD)),
+    CompatFlag(
+        "tokenizer_worker_num",
+        ("--tokenizer-worker-num",),
+        "the number of tokenizer workers must be at least 1",
+        _at_least(1),
+        parse=_INT,
+    ),
+    CompatFlag(
+        "load_format",
+        ("--load-format",),
+        "only auto, safetensors, gguf and dummy are built",
+        _is("auto", "safetensors", "gguf", "dummy"),
+    ),
+    CompatFlag(
+        "page_size", ("--page-size",), "paged KV memory is not built yet (only page size 1)", _is(None, 1), parse=_INT
+    ),
+    CompatFlag(
+        "kv_cache_dtype",
+        ("--kv-cache-dtype",),
+        "a KV cache dtype other than the model's is not built yet (only auto)",
+        _is("auto"),
+    ),
+    CompatFlag(
+        "quantization",
+        ("--quantization",),
+        "not supported; the methods built are gguf (a GGUF model's own blocks; implied by a GGUF "
+        f"path) and {', '.join(QUANTIZE_AT_LOAD)} (a Hugging Face checkpoint quantized at load)",
+        _is(None, "gguf", *QUANTIZE_AT_LOAD),
+    ),
     # Features Tandem does not have.
     CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
     CompatFlag("enable_lora", ("--enable-lora",), "LoRA adapters are not built yet", _OFF, parse=_FLAG),
-    CompatFlag("speculative_algorithm", ("--speculative-algorithm",),
-               "speculative decoding is not built yet", _OFF),
-    CompatFlag("speculative_draft_model_path", ("--speculative-draft-model-path",),
-               "speculative decoding is not built yet", _OFF),
-    CompatFlag("enable_dp_attention", ("--enable-dp-attention",), "DP attention is not built yet", _OFF,
-               parse=_FLAG),
+    CompatFlag("speculative_algorithm", ("--speculative-algorithm",), "speculative decoding is not built yet", _OFF),
+    CompatFlag(
+        "speculative_draft_model_path",
+        ("--speculative-draft-model-path",),
+        "speculative decoding is not built yet",
+        _OFF,
+    ),
+    CompatFlag("enable_dp_attention", ("--enable-dp-attention",), "DP attention is not built yet", _OFF, parse=_FLAG),
     CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
     CompatFlag("reasoning_parser", ("--reasoning-parser",), "reasoning parsers are not built yet", _OFF),
-    CompatFlag("enable_custom_logit_processor", ("--enable-custom-logit-processor",),
-               "custom logit processors (code sent by clients) are not built yet", _OFF, parse=_FLAG),
-    CompatFlag("tool_call_parser", ("--tool-call-parser",),
-               f"the tool-call parsers built are {', '.join(ToolCallParserEnum)}", _is(None, *ToolCallParserEnum)),
+    CompatFlag(
+        "enable_custom_logit_processor",
+        ("--enable-custom-logit-processor",),
+        "custom logit processors (code sent by clients) are not built yet",
+        _OFF,
+        parse=_FLAG,
+    ),
+    CompatFlag(
+        "tool_call_parser",
+        ("--tool-call-parser",),
+        f"the tool-call parsers built are {', '.join(ToolCallParserEnum)}",
+        _is(None, *ToolCallParserEnum),
+    ),
     # Accepted, with no effect in this build.
-    CompatFlag("trust_remote_code", ("--trust-remote-code",),
-               "Tandem runs no code from the model directory", _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("revision", ("--revision",), "models load from a local directory (no model hub)", _OFF,
-               no_effect=True),
-    CompatFlag("tokenizer_mode", ("--tokenizer-mode",), "the fast tokenizer is always used", _is("auto"),
-               no_effect=True),
-    CompatFlag("torch_compile_max_bs", ("--torch-compile-max-bs",),
-               "--enable-torch-compile compiles for every batch size (dynamic shapes, no buckets)", _OFF,
-               no_effect=True, parse=_INT),
-    CompatFlag("disable_custom_all_reduce", ("--disable-custom-all-reduce",),
-               "the all-reduce is always torch.distributed's (no custom all-reduce)", _OFF, no_effect=True,
-               parse=_FLAG),
-    CompatFlag("enable_p2p_check", ("--enable-p2p-check",), "GPU peer access is left to NCCL",
-               _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("grammar_backend", ("--grammar-backend",),
-               "only the xgrammar backend is built (or none: structured output refused)", _is("xgrammar", "none")),
-    CompatFlag("base_gpu_id", ("--base-gpu-id",), "the first GPU id must be at least 0", _at_least(0),
-               parse=_INT),
-    CompatFlag("sampling_backend", ("--sampling-backend",), "the sampler is plain PyTorch",
-               _is(None, "pytorch"), no_effect=True),
-    CompatFlag("show_time_cost", ("--show-time-cost",), "time-cost marks are not built", _OFF,
-               no_effect=True, parse=_FLAG),
-    CompatFlag("decode_log_interval", ("--decode-log-interval",), "decode statistics are not logged",
-               _is(40), no_effect=True, parse=_INT),
-    CompatFlag("enable_cache_report", ("--enable-cache-report",),
-               "cached tokens are always in meta_info.cached_tokens; OpenAI usage does not report them yet",
-               _OFF, no_effect=True, parse=_FLAG),
-    CompatFlag("allow_auto_truncate", ("--allow-auto-truncate",),
-               "prompts longer than the context are refused with 400, not truncated", _OFF, no_effect=True,
-               parse=_FLAG),
+    CompatFlag(
+        "trust_remote_code",
+        ("--trust-remote-code",),
+        "Tandem runs no code from the model directory",
+        _OFF,
+        no_effect=True,
+        parse=_FLAG,
+    ),
+    CompatFlag("revision", ("--revision",), "models load from a local directory (no model hub)", _OFF, no_effect=True),
+    CompatFlag(
+        "tokenizer_mode", ("--tokenizer-mode",), "the fast tokenizer is always used", _is("auto"), no_effect=True
+    ),
+    CompatFlag(
+        "torch_compile_max_bs",
+        ("--torch-compile-max-bs",),
+        "--enable-torch-compile compiles for every batch size (dynamic shapes, no buckets)",
+        _OFF,
+        no_effect=True,
+        parse=_INT,
+    ),
+    CompatFlag(
+        "disable_custom_all_reduce",
+        ("--disable-custom-all-reduce",),
+        "the all-reduce is always torch.distributed's (no custom all-reduce)",
+        _OFF,
+        no_effect=True,
+        parse=_FLAG,
+    ),
+    CompatFlag(
+        "enable_p2p_check",
+        ("--enable-p2p-check",),
+        "GPU peer access is left to NCCL",
+        _OFF,
+        no_effect=True,
+        parse=_FLAG,
+    ),
+    CompatFlag(
+        "grammar_backend",
+        ("--grammar-backend",),
+        "only the xgrammar backend is built (or none: structured output refused)",
+        _is("xgrammar", "none"),
+    ),
+    CompatFlag("base_gpu_id", ("--base-gpu-id",), "the first GPU id must be at least 0", _at_least(0), parse=_INT),
+    CompatFlag(
+        "sampling_backend",
+        ("--sampling-backend",),
+        "the sampler is plain PyTorch",
+        _is(None, "pytorch"),
+        no_effect=True,
+    ),
+    CompatFlag(
+        "show_time_cost", ("--show-time-cost",), "time-cost marks are not built", _OFF, no_effect=True, parse=_FLAG
+    ),
+    CompatFlag(
+        "decode_log_interval",
+        ("--decode-log-interval",),
+        "decode statistics are not logged",
+        _is(40),
+        no_effect=True,
+        parse=_INT,
+    ),
+    CompatFlag(
+        "enable_cache_report",
+        ("--enable-cache-report",),
+        "cached tokens are always in meta_info.cached_tokens; OpenAI usage does not report them yet",
+        _OFF,
+        no_effect=True,
+        parse=_FLAG,
+    ),
+    CompatFlag(
+        "allow_auto_truncate",
+        ("--allow-auto-truncate",),
+        "prompts longer than the context are refused with 400, not truncated",
+        _OFF,
+        no_effect=True,
+        parse=_FLAG,
+    ),
 )
 
 
@@ -130,8 +225,13 @@ def add_compat_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -
     group = parser.add_argument_group("SGLang compatibility", "SGLang's flags; see docs/api.md")
     for flag in COMPAT_FLAGS:
         kind = "no effect here" if flag.no_effect else "other values stop the start"
-        group.add_argument(*flag.names, dest=flag.dest, default=defaults[flag.dest],
-                           help=f"SGLang's flag ({kind}: {flag.reason}).", **flag.parse)
+        group.add_argument(
+            *flag.names,
+            dest=flag.dest,
+            default=defaults[flag.dest],
+            help=f"SGLang's flag ({kind}: {flag.reason}).",
+            **flag.parse,
+        )
 
 
 def check_compat_flags(args: Any) -> list[str]:

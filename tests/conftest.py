@@ -59,7 +59,9 @@ def stories_dir(tmp_path_factory) -> Path:
     from tandem.tools.paths import stories260k_dir
 
     src = stories260k_dir()  # the copy shipped in assets/stories260K
-    return convert_llama2c(src / "stories260K.bin", src / "tok512.bin", tmp_path_factory.mktemp("models") / "stories260K")
+    return convert_llama2c(
+        src / "stories260K.bin", src / "tok512.bin", tmp_path_factory.mktemp("models") / "stories260K"
+    )
 
 
 @pytest.fixture(scope="session")

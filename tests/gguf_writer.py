@@ -50,16 +50,24 @@ from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType as FT
 from safetensors.numpy import load_file
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 # general.file_type llama.cpp records for a file whose 2-D weights are all of one type
 # (llama-quantize's "_S" mixes are the ones closest to uniform).
 FILE_TYPES = {
-    "F32": FT.ALL_F32, "F16": FT.MOSTLY_F16, "BF16": FT.MOSTLY_BF16, "Q8_0": FT.MOSTLY_Q8_0,
-    "Q4_0": FT.MOSTLY_Q4_0, "Q4_1": FT.MOSTLY_Q4_1, "Q5_0": FT.MOSTLY_Q5_0, "Q5_1": FT.MOSTLY_Q5_1,
-    "Q2_K": FT.MOSTLY_Q2_K, "Q3_K": FT.MOSTLY_Q3_K_S, "Q4_K": FT.MOSTLY_Q4_K_S,
-    "Q5_K": FT.MOSTLY_Q5_K_S, "Q6_K": FT.MOSTLY_Q6_K,
+    "F32": FT.ALL_F32,
+    "F16": FT.MOSTLY_F16,
+    "BF16": FT.MOSTLY_BF16,
+    "Q8_0": FT.MOSTLY_Q8_0,
+    "Q4_0": FT.MOSTLY_Q4_0,
+    "Q4_1": FT.MOSTLY_Q4_1,
+    "Q5_0": FT.MOSTLY_Q5_0,
+    "Q5_1": FT.MOSTLY_Q5_1,
+    "Q2_K": FT.MOSTLY_Q2_K,
+    "Q3_K": FT.MOSTLY_Q3_K_S,
+    "Q4_K": FT.MOSTLY_Q4_K_S,
+    "Q5_K": FT.MOSTLY_Q5_K_S,
+    "Q6_K": FT.MOSTLY_Q6_K,
 }
 
 MODEL_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
@@ -77,9 +85,11 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
     """llama.cpp's ``LlamaModel.permute``: HF's rotate-half Q/K rows to ggml's interleaved pairs."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def llama3_rope_factors(config: dict) -> np.ndarray | None:
@@ -212,8 +222,9 @@ def _quantize_q2_k(blocks: np.ndarray) -> np.ndarray:
     scales = sc | (mq << 4)
     q = q.reshape(n, 2, 4, 32)  # element h*128 + s*32 + l -> qs[h*32 + l] bits 2s
     qs = (q << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
-    return np.concatenate([scales, qs.reshape(n, 64), d.view(np.uint8).reshape(n, 2),
-                           dmin.view(np.uint8).reshape(n, 2)], axis=1)
+    return np.concatenate(
+        [scales, qs.reshape(n, 64), d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2)], axis=1
+    )
 
 
 def _quantize_symmetric_k(x: np.ndarray, q_min: int, sc_min: int):
@@ -249,8 +260,10 @@ def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     d, dmin, sc, mq, q = _quantize_affine_k(blocks.reshape(n, 8, 32), 15, 6)
     q = q.reshape(n, 4, 2, 32)  # element c*64 + t*32 + l -> qs[c*32 + l] nibble t
     qs = q[:, :, 0, :] | (q[:, :, 1, :] << 4)
-    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
-                           _pack_k_scales(sc, mq), qs.reshape(n, 128)], axis=1)
+    return np.concatenate(
+        [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), _pack_k_scales(sc, mq), qs.reshape(n, 128)],
+        axis=1,
+    )
 
 
 def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
@@ -260,8 +273,16 @@ def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     qs = low[:, :, 0, :] | (low[:, :, 1, :] << 4)
     high = (q >> 4).reshape(n, 8, 32)  # element b*32 + l -> qh[l] bit b
     qh = (high << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
-    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
-                           _pack_k_scales(sc, mq), qh, qs.reshape(n, 128)], axis=1)
+    return np.concatenate(
+        [
+            d.view(np.uint8).reshape(n, 2),
+            dmin.view(np.uint8).reshape(n, 2),
+            _pack_k_scales(sc, mq),
+            qh,
+            qs.reshape(n, 128),
+        ],
+        axis=1,
+    )
 
 
 def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -272,8 +293,10 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     ql = low[:, :, 0, :] | (low[:, :, 1, :] << 4)
     high = (u >> 4).reshape(n, 2, 4, 32)  # element h*128 + s*32 + l -> qh[h*32 + l] bits 2s
     qh = (high << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
-    return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
-                           d.view(np.uint8).reshape(n, 2)], axis=1)
+    return np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(n, 2)],
+        axis=1,
+    )
 
 
 IQ4_NL_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
@@ -290,8 +313,14 @@ def _quantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8).reshape(n, 2), qs], axis=1)
 
 
-_OWN_QUANTIZERS = {QT.Q2_K: _quantize_q2_k, QT.Q3_K: _quantize_q3_k, QT.Q4_K: _quantize_q4_k,
-                   QT.Q5_K: _quantize_q5_k, QT.Q6_K: _quantize_q6_k, QT.IQ4_NL: _quantize_iq4_nl}
+_OWN_QUANTIZERS = {
+    QT.Q2_K: _quantize_q2_k,
+    QT.Q3_K: _quantize_q3_k,
+    QT.Q4_K: _quantize_q4_k,
+    QT.Q5_K: _quantize_q5_k,
+    QT.Q6_K: _quantize_q6_k,
+    QT.IQ4_NL: _quantize_iq4_nl,
+}
 
 
 def quantize(data: np.ndarray, type_name: str) -> np.ndarray:

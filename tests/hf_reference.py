@@ -23,9 +23,14 @@ def greedy_ids(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **gen
     _, model = load(str(model_dir))
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [])
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs)
-    ids = out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        **generate_kwargs,
+    )
+    ids = out[0, len(prompt_ids) :].tolist()
     for i, t in enumerate(ids):
         if t in eos:
             return ids[: i + 1]

@@ -27,7 +27,7 @@ def stream_events(client: httpx.Client, path: str, body: dict) -> list[dict]:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines[:-1]), lines
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def wait_idle(client: httpx.Client, timeout: float = 20.0) -> dict:

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_writer import quantize as quantize_k  # noqa: E402
+
 from tandem.layers.quantization.gguf_repack import repack  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
@@ -26,7 +27,6 @@ def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         return gguf.quants.quantize(x, QT[name])
     return quantize_k(x, name)
-
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,12 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
         got_half = kernel(xh, *arrays, packed.bits, packed.group)
         assert got_half.dtype == dtype
         ref_half = (half_rows_reference(xh, isa) @ weight.T).float().to(dtype)
-        torch.testing.assert_close(got_half.float(), ref_half.float(), atol=1e-5 * ref.abs().max().item(),
-                                   rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+        torch.testing.assert_close(
+            got_half.float(),
+            ref_half.float(),
+            atol=1e-5 * ref.abs().max().item(),
+            rtol=2**-7 if dtype == torch.bfloat16 else 2**-10,
+        )
 
 
 def check_extreme_bytes(kernel, isa: str) -> None:
@@ -74,10 +78,17 @@ def check_extreme_bytes(kernel, isa: str) -> None:
     where a dot product of unsigned by signed bytes summed in int16 pairs would saturate)
     against the float64 reference, for bfloat16 and float16 rows."""
     rows, cols = 4, 96
-    levels = torch.tensor([[255] * cols, [0] * cols, [255, 0] * (cols // 2), [0, 255, 255, 0] * (cols // 4)],
-                          dtype=torch.uint8)
-    x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.tensor([1.0, -1.0] * (cols // 2)),
-                     torch.tensor([1.0, 1.0, -1.0, -1.0] * (cols // 4))])
+    levels = torch.tensor(
+        [[255] * cols, [0] * cols, [255, 0] * (cols // 2), [0, 255, 255, 0] * (cols // 4)], dtype=torch.uint8
+    )
+    x = torch.stack(
+        [
+            torch.ones(cols),
+            -torch.ones(cols),
+            torch.tensor([1.0, -1.0] * (cols // 2)),
+            torch.tensor([1.0, 1.0, -1.0, -1.0] * (cols // 4)),
+        ]
+    )
     for group in (16, 32):
         scale = torch.full((rows, cols // group), 0.5)
         mn = torch.full((rows, cols // group), -64.0)
@@ -85,7 +96,7 @@ def check_extreme_bytes(kernel, isa: str) -> None:
         for dtype in (torch.bfloat16, torch.float16):
             got = kernel(x.to(dtype), levels, scale, mn, 8, group).double()
             ref = half_rows_reference(x.to(dtype), isa) @ weight.T
-            torch.testing.assert_close(got, ref, atol=1e-3, rtol=2 ** -8)
+            torch.testing.assert_close(got, ref, atol=1e-3, rtol=2**-8)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,19 @@ LOG_DIR = Path(os.environ.get("TANDEM_TEST_LOG_DIR", "/tmp/tandem-test-logs"))
 
 # Servers started and not yet stopped; conftest stops any left at the end of the session
 # (a test that failed before its own cleanup), so no test run leaks a process.
-LIVE: set["ServerHandle"] = set()
+LIVE: set[ServerHandle] = set()
 
 
 class ServerHandle:
-    def __init__(self, model_path: str, extra_args: list[str] | None = None, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, new_session: bool = False, wait_ready: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        extra_args: list[str] | None = None,
+        timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+        wait_ready: bool = True,
+    ):
         """`new_session`: start the server in its own process group (for tests that kill
         the group). `wait_ready=False`: return once started, for a process that serves no
         HTTP (a node other than node 0 of --nnodes)."""
@@ -34,11 +41,26 @@ class ServerHandle:
         self.base_url = f"http://127.0.0.1:{self.port}"
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_path),
-               "--port", str(self.port), "--log-level", "warning", *(extra_args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.launch_server",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *(extra_args or []),
+        ]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=new_session,
+        )
         self.pids: set[int] = {self.proc.pid}
         self.stop_seconds: float | None = None  # from the signal to the main process's exit
         LIVE.add(self)
@@ -110,10 +132,8 @@ class ServerHandle:
             raise AssertionError(f"server processes survived shutdown: {survivors}")
         return survivors
 
-    def __enter__(self) -> "ServerHandle":
+    def __enter__(self) -> ServerHandle:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop(check=exc[0] is None)
-
-

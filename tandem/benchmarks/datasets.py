@@ -104,8 +104,9 @@ def _draw_ids(rng: np.random.Generator, allowed: np.ndarray, n: int) -> list[int
     return allowed[rng.integers(0, allowed.size, size=n)].tolist()
 
 
-def generate_random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                             space: TokenSpace, seed: int = 1) -> list[BenchRequest]:
+def generate_random_requests(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, space: TokenSpace, seed: int = 1
+) -> list[BenchRequest]:
     """The `random` workload (see the module docstring)."""
     rng = np.random.default_rng(seed)
     allowed = space.allowed_ids()
@@ -114,9 +115,15 @@ def generate_random_requests(num_prompts: int, input_len: int, output_len: int, 
     return [BenchRequest(_draw_ids(rng, allowed, int(n_in)), int(n_out)) for n_in, n_out in zip(in_lens, out_lens)]
 
 
-def generate_shared_prefix_requests(num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                                    question_len: int, output_len: int, space: TokenSpace,
-                                    seed: int = 1) -> list[BenchRequest]:
+def generate_shared_prefix_requests(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    space: TokenSpace,
+    seed: int = 1,
+) -> list[BenchRequest]:
     """The `shared-prefix` workload (see the module docstring)."""
     if num_groups < 1 or prompts_per_group < 1 or question_len < 1 or output_len < 1 or system_prompt_len < 0:
         raise ValueError("shared-prefix: groups, prompts per group, question and output lengths must be >= 1")

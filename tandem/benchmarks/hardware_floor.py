@@ -68,8 +68,11 @@ def measure_matmul_flops(rows: int, dtype: torch.dtype) -> float:
 
 def dense_weight_elements(model: nn.Module, rows: int) -> int:
     """Weights a step of `rows` rows multiplies in the model's dtype (not quantized)."""
-    return sum(_dense_elements(m) for m in model.modules()
-               if isinstance(m, LinearBase) and not (m.quant_kernel is not None and rows <= QUANT_MAX_ROWS))
+    return sum(
+        _dense_elements(m)
+        for m in model.modules()
+        if isinstance(m, LinearBase) and not (m.quant_kernel is not None and rows <= QUANT_MAX_ROWS)
+    )
 
 
 def linear_weight_bytes(model: nn.Module, rows: int, element_size: int) -> int:
@@ -87,12 +90,24 @@ def linear_weight_bytes(model: nn.Module, rows: int, element_size: int) -> int:
 
 def _dense_elements(module: LinearBase) -> int:
     kernel = module.kernel
-    return (kernel.out_features * kernel.in_features if kernel is not None and module.weight.numel() == 0
-            else module.weight.numel())
+    return (
+        kernel.out_features * kernel.in_features
+        if kernel is not None and module.weight.numel() == 0
+        else module.weight.numel()
+    )
 
 
-def decode_floor(model: nn.Module, dtype: torch.dtype, seq_lens: list[int], num_layers: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, bandwidth: float, matmul_flops: float) -> DecodeFloor:
+def decode_floor(
+    model: nn.Module,
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bandwidth: float,
+    matmul_flops: float,
+) -> DecodeFloor:
     """The floor of one decode step of requests with KV lengths `seq_lens`."""
     size = torch.tensor([], dtype=dtype).element_size()
     weights = dense_weight_elements(model, len(seq_lens))

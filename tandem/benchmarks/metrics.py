@@ -22,8 +22,8 @@ for latencies; an empty list summarizes to 0.0, as in SGLang.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -120,8 +120,12 @@ def compute_metrics(results: Iterable[RequestResult], duration: float) -> dict[s
         # Mean number of requests in flight (SGLang's "concurrency").
         "concurrency": throughput(sum(r.e2e_latency for r in ok), duration),
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", itls),
-                         ("e2e_latency", [r.e2e_latency for r in ok])):
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", itls),
+        ("e2e_latency", [r.e2e_latency for r in ok]),
+    ):
         for stat, v in summarize(values, scale=1000.0).items():
             out[f"{stat}_{name}_ms"] = v
     return out

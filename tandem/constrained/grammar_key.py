@@ -42,9 +42,12 @@ def verify_grammar(key: GrammarKey, grammar_backend: str, has_tokenizer: bool, a
     grammar does not parse. The scheduler compiles it again against the vocabulary."""
     kind = key[0]
     if grammar_backend == "none":
-        raise ValueError(f"sampling_params.{kind}: structured output is disabled on this server "
-                         "(--grammar-backend none)")
+        raise ValueError(
+            f"sampling_params.{kind}: structured output is disabled on this server (--grammar-backend none)"
+        )
     if not has_tokenizer:
-        raise ValueError(f"sampling_params.{kind}: structured output needs the tokenizer; this server runs "
-                         "with --skip-tokenizer-init")
+        raise ValueError(
+            f"sampling_params.{kind}: structured output needs the tokenizer; this server runs "
+            "with --skip-tokenizer-init"
+        )
     parse_grammar(key, any_whitespace)

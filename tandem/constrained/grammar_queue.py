@@ -14,10 +14,11 @@ compile (the batch waits; ranks stay in step).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tandem import finish_reason
 from tandem.constrained.xgrammar_backend import Grammar, XGrammarBackend
@@ -44,8 +45,9 @@ class GrammarQueue:
 
     def add(self, req) -> None:
         """Start compiling `req`'s grammar (or find it compiled) and hold `req` until then."""
-        self._entries.append(_Entry(req, self.backend.compile(req.sampling_params.grammar_key()),
-                                    time.monotonic() + self.timeout_s))
+        self._entries.append(
+            _Entry(req, self.backend.compile(req.sampling_params.grammar_key()), time.monotonic() + self.timeout_s)
+        )
 
     def pop_ready(self) -> tuple[list, list]:
         """(requests whose grammar is ready, now with `req.grammar` set; requests that
@@ -53,8 +55,9 @@ class GrammarQueue:
         ready, failed, waiting = [], [], []
         now = time.monotonic()
         if self.blocking and self._entries:
-            futures.wait([e.future for e in self._entries],
-                         timeout=max(0.0, max(e.deadline for e in self._entries) - now))
+            futures.wait(
+                [e.future for e in self._entries], timeout=max(0.0, max(e.deadline for e in self._entries) - now)
+            )
             now = time.monotonic()
         for entry in self._entries:
             if entry.future.done():
@@ -68,7 +71,8 @@ class GrammarQueue:
             elif now >= entry.deadline:
                 kind = entry.req.sampling_params.grammar_key()[0]
                 entry.req.finished_reason = finish_reason.abort(
-                    f"sampling_params.{kind}: the grammar did not compile within {self.timeout_s:g} s", 400)
+                    f"sampling_params.{kind}: the grammar did not compile within {self.timeout_s:g} s", 400
+                )
                 failed.append(entry.req)
             else:
                 waiting.append(entry)
@@ -80,4 +84,3 @@ class GrammarQueue:
         taken = [e.req for e in self._entries if match(e.req)]
         self._entries = [e for e in self._entries if not match(e.req)]
         return taken
-

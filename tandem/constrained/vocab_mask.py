@@ -36,8 +36,9 @@ class VocabMask:
         if not self.rows:
             return logits
         masked = logits.clone()
-        xgrammar.apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device, non_blocking=True),
-                                             indices=self.rows)
+        xgrammar.apply_token_bitmask_inplace(
+            masked, self.bitmask.to(logits.device, non_blocking=True), indices=self.rows
+        )
         return masked
 
 

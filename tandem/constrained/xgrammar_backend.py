@@ -43,12 +43,19 @@ class Grammar:
 
 
 class XGrammarBackend:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], any_whitespace: bool = True,
-                 compile_threads: int = 1):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = True,
+        compile_threads: int = 1,
+    ):
         """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
         (padded vocabularies): the ids past the tokenizer's are never allowed."""
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=max(vocab_size, len(tokenizer)), stop_token_ids=sorted(stop_token_ids))
+            tokenizer, vocab_size=max(vocab_size, len(tokenizer)), stop_token_ids=sorted(stop_token_ids)
+        )
         self.vocab_size = info.vocab_size
         self.any_whitespace = any_whitespace
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -56,7 +63,7 @@ class XGrammarBackend:
         self._cache: collections.OrderedDict[GrammarKey, Future] = collections.OrderedDict()
         self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=1)
 
-    def compile(self, key: GrammarKey) -> "Future[xgrammar.CompiledGrammar]":
+    def compile(self, key: GrammarKey) -> Future[xgrammar.CompiledGrammar]:
         """The compiled grammar of `key`, from the cache or compiled in the background.
         The future's exception is a ValueError naming the problem."""
         future = self._cache.get(key)
@@ -79,7 +86,8 @@ class XGrammarBackend:
             rows = [i for i, g in enumerate(grammars) if g is not None]
             if rows:
                 self._batch_matcher.batch_fill_next_token_bitmask(
-                    [grammars[i].matcher for i in rows], mask.bitmask, rows)
+                    [grammars[i].matcher for i in rows], mask.bitmask, rows
+                )
             mask.rows = rows
         finally:
             mask.set_ready()  # never leave the sampler waiting, even on an error

@@ -36,7 +36,11 @@ from tandem.messages import (
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.process import (
-    configure_logging, ignore_stop_signals, notify_parent_of_failure, set_parent_death_signal, set_process_title,
+    configure_logging,
+    ignore_stop_signals,
+    notify_parent_of_failure,
+    set_parent_death_signal,
+    set_process_title,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,8 +99,10 @@ class DataParallelController:
         self.from_tokenizer = zmq_io.make_socket(self._ctx, zmq.PULL, port_args.tokenizer_to_scheduler, bind=True)
         self.from_replicas = zmq_io.make_socket(self._ctx, zmq.PULL, port_args.scheduler_to_dp_controller, bind=True)
         self.to_tokenizer = zmq_io.make_socket(self._ctx, zmq.PUSH, port_args.scheduler_to_tokenizer, bind=False)
-        self.to_replicas = [zmq_io.make_socket(self._ctx, zmq.PUSH, port_args.dp_scheduler_input(k), bind=False)
-                            for k in range(server_args.dp_size)]
+        self.to_replicas = [
+            zmq_io.make_socket(self._ctx, zmq.PUSH, port_args.dp_scheduler_input(k), bind=False)
+            for k in range(server_args.dp_size)
+        ]
         self._poller = zmq.Poller()
         self._poller.register(self.from_tokenizer, zmq.POLLIN)
         self._poller.register(self.from_replicas, zmq.POLLIN)

@@ -23,11 +23,15 @@ from tandem.messages import (
     DetokenizeParams,
     ReadyMessage,
 )
-from tandem.tokenizer.multi_tokenizer import OutputSender
 from tandem.server_args import PortArgs, ServerArgs
+from tandem.tokenizer.multi_tokenizer import OutputSender
 from tandem.utils import zmq_io
 from tandem.utils.process import (
-    configure_logging, ignore_stop_signals, notify_parent_of_failure, set_parent_death_signal, set_process_title,
+    configure_logging,
+    ignore_stop_signals,
+    notify_parent_of_failure,
+    set_parent_death_signal,
+    set_process_title,
 )
 from tandem.utils.tokenizer import load_tokenizer
 
@@ -42,8 +46,9 @@ class DetokenizerManager:
         ctx = zmq.Context(2)
         self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_detokenizer, bind=True)
         # Under --tokenizer-worker-num N > 1, each worker gets its own requests' outputs alone.
-        self.send_to_tokenizer = OutputSender(ctx, port_args, port_args.detokenizer_to_tokenizer,
-                                              server_args.tokenizer_worker_num)
+        self.send_to_tokenizer = OutputSender(
+            ctx, port_args, port_args.detokenizer_to_tokenizer, server_args.tokenizer_worker_num
+        )
 
     def event_loop(self) -> None:
         while True:
@@ -67,8 +72,9 @@ class DetokenizerManager:
                 text = ""
                 if finished is None or finished["type"] != "abort":  # an abort already says why
                     finished = finish_reason.internal_error("detokenizing its output", e)
-            out.outputs.append(dataclasses.replace(record, text_delta=text, finished_reason=finished,
-                                                   detokenize_params=None))
+            out.outputs.append(
+                dataclasses.replace(record, text_delta=text, finished_reason=finished, detokenize_params=None)
+            )
         return out
 
     def _step(self, rid: str, new_ids: list[int], finished: dict | None, params: DetokenizeParams | None) -> str:

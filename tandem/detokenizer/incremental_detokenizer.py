@@ -149,9 +149,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.finished = False
         # Stop strings that need holdback (empty strings never match anything useful).
-        self._stops: list[str] = (
-            [s for s in (params.stop or []) if s] if not params.no_stop_trim else []
-        )
+        self._stops: list[str] = [s for s in (params.stop or []) if s] if not params.no_stop_trim else []
         self._surr_text = self._decode(self.ids)  # decode(ids[surr:read]), cached
         self._confirmed_text = ""  # output text of ids[:read], built from confirmed deltas
         self._output_text = ""  # everything returned so far

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+
 @dataclass(frozen=True)
 class TpGroup:
     """This process's rank in its TP group, and the group's CPU (gloo) process group
@@ -46,8 +47,9 @@ class TpGroup:
         return box[0]
 
 
-def init_tp_group(tp_rank: int, tp_size: int, device: str, init_method: str, gpu_id: int = 0,
-                  timeout_s: float | None = None) -> TpGroup:
+def init_tp_group(
+    tp_rank: int, tp_size: int, device: str, init_method: str, gpu_id: int = 0, timeout_s: float | None = None
+) -> TpGroup:
     """Join the TP group (blocks until every rank has joined) and select this rank's
     device (`gpu_id` on CUDA). With one rank no process group is made.
 
@@ -72,5 +74,13 @@ def is_peer_failure(exc: BaseException) -> bool:
     raise RuntimeError with these words; nothing finer is exposed."""
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        words in text for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                    "Timed out", "timed out", "NCCL communicator was aborted"))
+        words in text
+        for words in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "Timed out",
+            "timed out",
+            "NCCL communicator was aborted",
+        )
+    )

@@ -71,5 +71,4 @@ def describe_other_nodes(server_args: ServerArgs) -> str:
     (`node 1: TP1`); '' on one node."""
     per_node = ranks_per_node(server_args)
     nodes = [n for n in range(server_args.nnodes) if n != server_args.node_rank]
-    return ", ".join(f"node {n}: " + " ".join(f"TP{r}" for r in range(n * per_node, (n + 1) * per_node))
-                     for n in nodes)
+    return ", ".join(f"node {n}: " + " ".join(f"TP{r}" for r in range(n * per_node, (n + 1) * per_node)) for n in nodes)

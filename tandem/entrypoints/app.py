@@ -41,8 +41,9 @@ def error_for_path(path: str, message: str, status: int) -> Response:
     return error_response(message, status)
 
 
-def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs,
-               engine_health: EngineHealth | None = None) -> FastAPI:
+def create_app(
+    tokenizer_manager: TokenizerManager, server_args: ServerArgs, engine_health: EngineHealth | None = None
+) -> FastAPI:
     """The app; with `engine_health`, GET /health also checks the subprocesses."""
     tm = tokenizer_manager
 
@@ -86,5 +87,3 @@ async def _warmup(tm: TokenizerManager) -> None:
     else:
         obj = GenerateReqInput(input_ids=[0, 1], sampling_params=params)
     await last_outputs(await tm.generate_request(obj))
-
-

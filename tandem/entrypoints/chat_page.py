@@ -19,9 +19,11 @@ CHAT_PAGE_PATH = "/"
 # Scripts and styles only inline, requests only to this server: the browser enforces
 # that the page loads nothing from elsewhere (and that no other site frames it).
 _HEADERS = {
-    "Content-Security-Policy": ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                                "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
-                                "frame-ancestors 'none'"),
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    ),
     "Cache-Control": "no-cache",
 }
 

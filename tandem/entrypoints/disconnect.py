@@ -8,7 +8,8 @@ awaits its result through `await_or_disconnect`, which polls the connection.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 from starlette.requests import Request
 

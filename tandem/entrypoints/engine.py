@@ -22,11 +22,13 @@ import asyncio
 import atexit
 import concurrent.futures
 import threading
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import torch
 
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.streams import last_outputs, merge_streams
 from tandem.entrypoints.subprocesses import ServerProcesses, launch_subprocesses
 from tandem.messages import (
@@ -36,10 +38,9 @@ from tandem.messages import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsReq,
 )
-from tandem.entrypoints.native_protocol import GenerateReqInput
-from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.model_executor.model_loader import check_model
 from tandem.server_args import ServerArgs
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.utils.process import configure_logging
 
 Output = dict[str, Any] | list[dict[str, Any]]
@@ -114,31 +115,64 @@ class Engine:
         return future
 
     # ---- public API ----------------------------------------------------------------
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 stream: bool = False, rid: str | list[str] | None = None,
-                 token_ids_logprob: list[int] | list[list[int]] | None = None) -> Output | Iterator[dict[str, Any]]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+    ) -> Output | Iterator[dict[str, Any]]:
         """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
         an iterator of chunks (with several outputs, each chunk carries its output's "index":
         prompt_index * n + sample_index)."""
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, return_text_in_logprobs, stream, rid, token_ids_logprob)
+        obj = self._request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            stream,
+            rid,
+            token_ids_logprob,
+        )
         if stream:
             return self._sync_stream(obj)
         return self._call(self._collect(obj))
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                             return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: str | list[str] | None = None,
-                             token_ids_logprob: list[int] | list[list[int]] | None = None
-                             ) -> Output | AsyncIterator[dict[str, Any]]:
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+    ) -> Output | AsyncIterator[dict[str, Any]]:
         """The asyncio twin of `generate`, usable from any event loop."""
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, return_text_in_logprobs, stream, rid, token_ids_logprob)
+        obj = self._request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            stream,
+            rid,
+            token_ids_logprob,
+        )
         if stream:
             return self._async_stream(obj)
         return await self._await(self._collect(obj))
@@ -147,19 +181,33 @@ class Engine:
         """What GET /server_info returns: arguments, capacities, live memory counts."""
         return self._call(self.tokenizer_manager.server_info())
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 abort_all_requests: bool = False, weight_version: str | None = None
-                                 ) -> tuple[bool, str]:
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
         """Load new weights of the same architecture from `model_path` (SGLang's
         Engine.update_weights_from_disk); returns (success, message)."""
-        return self._update_weights(UpdateWeightFromDiskReqInput(
-            request_id="", model_path=model_path, load_format=load_format,
-            abort_all_requests=abort_all_requests, weight_version=weight_version))
+        return self._update_weights(
+            UpdateWeightFromDiskReqInput(
+                request_id="",
+                model_path=model_path,
+                load_format=load_format,
+                abort_all_requests=abort_all_requests,
+                weight_version=weight_version,
+            )
+        )
 
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
-                                   load_format: str | None = None, flush_cache: bool = True,
-                                   abort_all_requests: bool = False, weight_version: str | None = None
-                                   ) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
         """Replace the named checkpoint tensors (whole tensors, checkpoint names, e.g.
         `model.layers.0.mlp.up_proj.weight`) without a restart (SGLang's
         Engine.update_weights_from_tensor); the other weights keep their values. The
@@ -170,9 +218,16 @@ class Engine:
         the prefix cache (for a series of partial updates). Send a whole model in one
         call: each call rebuilds every layer. Returns (success, message)."""
         tensors = [(name, HostTensor.of(tensor)) for name, tensor in named_tensors]
-        return self._update_weights(UpdateWeightsFromTensorReqInput(
-            request_id="", named_tensors=tensors, load_format=load_format, flush_cache=flush_cache,
-            abort_all_requests=abort_all_requests, weight_version=weight_version))
+        return self._update_weights(
+            UpdateWeightsFromTensorReqInput(
+                request_id="",
+                named_tensors=tensors,
+                load_format=load_format,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
+                weight_version=weight_version,
+            )
+        )
 
     def _update_weights(self, req: UpdateWeightsReq) -> tuple[bool, str]:
         out = self._call(self.tokenizer_manager.update_weights(req))
@@ -181,8 +236,11 @@ class Engine:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of the served checkpoint tensor `name`;
         ValueError when there is none."""
-        out = self._call(self.tokenizer_manager.get_weights_by_name(
-            GetWeightsByNameReqInput(request_id="", name=name, truncate_size=truncate_size)))
+        out = self._call(
+            self.tokenizer_manager.get_weights_by_name(
+                GetWeightsByNameReqInput(request_id="", name=name, truncate_size=truncate_size)
+            )
+        )
         if out.parameter is None:
             raise ValueError(out.message)
         return out.parameter
@@ -204,7 +262,7 @@ class Engine:
             self._thread.join(timeout=5)
         atexit.unregister(self.shutdown)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -212,12 +270,30 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------
     @staticmethod
-    def _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                 return_text_in_logprobs, stream, rid, token_ids_logprob) -> GenerateReqInput:
-        obj = GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream,
-                               rid=rid, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                               top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
-                               token_ids_logprob=token_ids_logprob)
+    def _request(
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        stream,
+        rid,
+        token_ids_logprob,
+    ) -> GenerateReqInput:
+        obj = GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            token_ids_logprob=token_ids_logprob,
+        )
         obj.validate_shape()
         return obj
 

@@ -43,8 +43,12 @@ def run_follower_node(server_args: ServerArgs) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     procs.watch(lambda name: fail(f"{name} died"))
-    logger.info("%s: scheduler ranks %s ready; node 0 (%s) serves HTTP", node,
-                ", ".join(p.name for p in procs.procs), server_args.dist_init_addr)
+    logger.info(
+        "%s: scheduler ranks %s ready; node 0 (%s) serves HTTP",
+        node,
+        ", ".join(p.name for p in procs.procs),
+        server_args.dist_init_addr,
+    )
     while not stop.wait(1.0):
         pass
     logger.info("%s: stopping", node)

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.streams import last_outputs
 from tandem.scheduler.forward_watchdog import forward_stuck_for
-from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.utils.process import pid_alive
 

@@ -24,8 +24,14 @@ from tandem.metrics.collector import enable_multiprocess_metrics
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.utils.process import (
-    configure_logging, exit_now, ignore_stop_signals, kill_process_tree, notify_parent_of_failure,
-    set_parent_death_signal, set_process_name, set_process_title,
+    configure_logging,
+    exit_now,
+    ignore_stop_signals,
+    kill_process_tree,
+    notify_parent_of_failure,
+    set_parent_death_signal,
+    set_process_name,
+    set_process_title,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,13 +79,24 @@ def launch_server(server_args: ServerArgs) -> None:
 
 
 def _uvicorn_config(app: FastAPI, server_args: ServerArgs) -> uvicorn.Config:
-    return uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                          log_level=server_args.log_level_http or server_args.log_level,
-                          timeout_keep_alive=5, access_log=False)
+    return uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level_http or server_args.log_level,
+        timeout_keep_alive=5,
+        access_log=False,
+    )
 
 
-def run_tokenizer_worker_process(server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any],
-                                 worker_id: int, sock: socket.socket, engine_health: EngineHealth) -> None:
+def run_tokenizer_worker_process(
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    scheduler_info: dict[str, Any],
+    worker_id: int,
+    sock: socket.socket,
+    engine_health: EngineHealth,
+) -> None:
     """Entry of tokenizer worker `worker_id` (--tokenizer-worker-num N > 1,
     entrypoints/tokenizer_workers.py): its own TokenizerManager and app, serving HTTP on
     the listening socket that every worker shares, until the main process drains it
@@ -93,8 +110,12 @@ def run_tokenizer_worker_process(server_args: ServerArgs, port_args: PortArgs, s
     try:
         tm = TokenizerManager(server_args, port_args, scheduler_info, worker_id=worker_id)
         app = create_app(tm, server_args, engine_health)
-        DrainingServer(_uvicorn_config(app, server_args), tm, server_args.graceful_shutdown_timeout,
-                       stop_signals=(WORKER_DRAIN_SIGNAL,)).run(sockets=[sock])
+        DrainingServer(
+            _uvicorn_config(app, server_args),
+            tm,
+            server_args.graceful_shutdown_timeout,
+            stop_signals=(WORKER_DRAIN_SIGNAL,),
+        ).run(sockets=[sock])
     except Exception:
         logger.exception("%s crashed", name)
         notify_parent_of_failure()

@@ -15,7 +15,8 @@ token ids in 0.2 s).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import orjson
 from fastapi.routing import APIRoute, APIRouter
@@ -44,8 +45,11 @@ def parse_json_body(body: bytes) -> Any:
     except orjson.JSONDecodeError as e:
         field = _lone_surrogate_field(body) if "surrogate" in str(e) else None
         if field is not None:
-            raise InvalidBody(f"{field}: contains a lone surrogate escape (\\ud800-\\udfff without its pair), "
-                              "which is not valid Unicode", field) from e
+            raise InvalidBody(
+                f"{field}: contains a lone surrogate escape (\\ud800-\\udfff without its pair), "
+                "which is not valid Unicode",
+                field,
+            ) from e
         raise InvalidBody(f"request body: invalid JSON ({e})") from e
 
 

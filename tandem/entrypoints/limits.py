@@ -8,7 +8,7 @@ the app's `receive` is the server's own, so client disconnects are still seen.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send

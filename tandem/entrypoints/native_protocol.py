@@ -11,7 +11,6 @@ from typing import Any
 
 from tandem.sampling.sampling_params import is_neutral
 
-
 # Longest client rid: it is echoed in every output (each streamed chunk included).
 MAX_RID_LENGTH = 512
 
@@ -41,7 +40,7 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
 
     @classmethod
-    def from_json(cls, data: Any) -> "GenerateReqInput":
+    def from_json(cls, data: Any) -> GenerateReqInput:
         """Parse a JSON body; raises ValueError naming the offending field.
 
         As in SGLang, unknown top-level fields are ignored and null means the default.
@@ -75,8 +74,10 @@ class GenerateReqInput:
                 raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
             rows = ids if isinstance(ids[0], list) else [ids]
             for row in rows:
-                if not isinstance(row, list) or not row or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in row
+                if (
+                    not isinstance(row, list)
+                    or not row
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in row)
                 ):
                     raise ValueError("input_ids: every prompt must be a non-empty list of integers")
         for name in ("stream", "return_text_in_logprobs"):
@@ -116,8 +117,7 @@ class GenerateReqInput:
         nested = isinstance(value, list) and isinstance(value[0], list)
         rows = value if nested else [value]
         if not isinstance(value, list) or not all(
-            isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
-            for row in rows
+            isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row) for row in rows
         ):
             raise ValueError("token_ids_logprob: must be a list of token ids, or one such list per prompt")
         if nested and (not self.is_batch or len(value) != n):
@@ -135,8 +135,9 @@ class GenerateReqInput:
             return 1
         return len(self.text) if self.text is not None else len(self.input_ids)
 
-    def item(self, i: int) -> "GenerateReqInput":
+    def item(self, i: int) -> GenerateReqInput:
         """The i-th prompt of a batch as a single request."""
+
         def pick(value):
             return value[i] if isinstance(value, list) else value
 
@@ -168,34 +169,45 @@ _PER_PROMPT_LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logpro
 # 400 message. Null, false, an empty value or 0 is accepted and ignored. Other fields
 # SGLang knows (labels and hints such as session_id, priority, custom_labels, log_metrics)
 # and unknown fields are ignored, as SGLang ignores unknown fields.
-UNSUPPORTED_GENERATE_FIELDS = MappingProxyType({
-    "input_embeds": "input embedding",
-    "image_data": "image input",
-    "video_data": "video input",
-    "audio_data": "audio input",
-    "return_hidden_states": "returning hidden states",
-    "return_routed_experts": "returning routed experts",
-    "return_entropy": "returning entropy",
-    "return_sampling_mask": "returning the sampling mask",
-    "return_flat_raw_top_logprobs": "flat top-logprob output",
-    "return_flat_raw_output_top_logprobs": "flat top-logprob output",
-    "return_prompt_token_ids": "returning prompt token ids",
-    "lora_path": "LoRA",
-    "lora_id": "LoRA",
-    "custom_logit_processor": "a custom logit processor",
-    "session_params": "session",
-    "bootstrap_host": "prefill-decode disaggregation",
-    "bootstrap_room": "prefill-decode disaggregation",
-    "data_parallel_rank": "data parallelism",
-    "routed_dp_rank": "data parallelism",
-    "positional_embed_overrides": "embedding override",
-    "cache_salt": "cache salt",
-    "max_thinking_tokens": "a thinking budget",
-    "require_reasoning": "reasoning control",
-    "background": "background mode",
-})
+UNSUPPORTED_GENERATE_FIELDS = MappingProxyType(
+    {
+        "input_embeds": "input embedding",
+        "image_data": "image input",
+        "video_data": "video input",
+        "audio_data": "audio input",
+        "return_hidden_states": "returning hidden states",
+        "return_routed_experts": "returning routed experts",
+        "return_entropy": "returning entropy",
+        "return_sampling_mask": "returning the sampling mask",
+        "return_flat_raw_top_logprobs": "flat top-logprob output",
+        "return_flat_raw_output_top_logprobs": "flat top-logprob output",
+        "return_prompt_token_ids": "returning prompt token ids",
+        "lora_path": "LoRA",
+        "lora_id": "LoRA",
+        "custom_logit_processor": "a custom logit processor",
+        "session_params": "session",
+        "bootstrap_host": "prefill-decode disaggregation",
+        "bootstrap_room": "prefill-decode disaggregation",
+        "data_parallel_rank": "data parallelism",
+        "routed_dp_rank": "data parallelism",
+        "positional_embed_overrides": "embedding override",
+        "cache_salt": "cache salt",
+        "max_thinking_tokens": "a thinking budget",
+        "require_reasoning": "reasoning control",
+        "background": "background mode",
+    }
+)
 # Neutral values besides null, false and empty ones: one data-parallel rank, rank 0.
 _NEUTRAL_GENERATE_VALUES = MappingProxyType({"data_parallel_rank": 0, "routed_dp_rank": 0})
 # Unsupported fields that may hold one flag per prompt (each must be neutral).
-_PER_PROMPT_FLAGS = frozenset({"lora_path", "lora_id", "custom_logit_processor", "return_hidden_states",
-                               "return_sampling_mask", "bootstrap_host", "bootstrap_room"})
+_PER_PROMPT_FLAGS = frozenset(
+    {
+        "lora_path",
+        "lora_id",
+        "custom_logit_processor",
+        "return_hidden_states",
+        "return_sampling_mask",
+        "bootstrap_host",
+        "bootstrap_room",
+    }
+)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -103,6 +103,7 @@ def native_router(tm: TokenizerManager, server_args: ServerArgs, engine_health: 
         return json_response(results if multi else results[0])
 
     if tm.metrics is not None:
+
         @router.get("/metrics")
         async def metrics() -> Response:
             """Prometheus metrics (--enable-metrics); the scheduler's gauges as of now, or as

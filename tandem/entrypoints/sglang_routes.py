@@ -25,8 +25,15 @@ from tandem.model_executor.model_loader import load_config
 # How often /flush_cache?timeout=T retries while requests still run.
 FLUSH_RETRY_S = 0.1
 # Fields of SGLang's ProfileReq that /start_profile honours; the others are ignored.
-_PROFILE_FIELDS = ("output_dir", "num_steps", "activities", "with_stack", "record_shapes",
-                   "profile_id", "profile_prefix")
+_PROFILE_FIELDS = (
+    "output_dir",
+    "num_steps",
+    "activities",
+    "with_stack",
+    "record_shapes",
+    "profile_id",
+    "profile_prefix",
+)
 
 
 def model_info(server_args, hf_config) -> dict[str, Any]:
@@ -75,11 +82,13 @@ def _profile_req(body: dict[str, Any]) -> ProfileReq:
     num_steps = fields["num_steps"]
     if isinstance(num_steps, str) and num_steps.isdigit():  # SGLang's bench_serving sends a string
         fields["num_steps"] = int(num_steps)
-    if fields["num_steps"] is not None and (isinstance(fields["num_steps"], bool)
-                                            or not isinstance(fields["num_steps"], int)):
+    if fields["num_steps"] is not None and (
+        isinstance(fields["num_steps"], bool) or not isinstance(fields["num_steps"], int)
+    ):
         raise ValueError("num_steps: must be an integer")
-    if fields["activities"] is not None and (not isinstance(fields["activities"], list)
-                                             or not all(isinstance(a, str) for a in fields["activities"])):
+    if fields["activities"] is not None and (
+        not isinstance(fields["activities"], list) or not all(isinstance(a, str) for a in fields["activities"])
+    ):
         raise ValueError("activities: must be a list of strings")
     for name in ("output_dir", "profile_id", "profile_prefix"):
         if fields[name] is not None and not isinstance(fields[name], str):
@@ -129,14 +138,18 @@ def sglang_router(tm, server_args) -> APIRouter:
     @router.get("/v1/loads")
     async def loads() -> Response:
         state = await tm.get_server_state()
-        return json_response({
-            "timestamp": datetime.now(timezone.utc).isoformat(),
-            "version": tandem.__version__,
-            "accelerator": None,
-            "num_accelerators": 1,
-            "loads": [_loads(s, tm.scheduler_info["max_running_requests"], k)
-                      for k, s in enumerate(state.dp_rank_states or [state])],
-        })
+        return json_response(
+            {
+                "timestamp": datetime.now(timezone.utc).isoformat(),
+                "version": tandem.__version__,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [
+                    _loads(s, tm.scheduler_info["max_running_requests"], k)
+                    for k, s in enumerate(state.dp_rank_states or [state])
+                ],
+            }
+        )
 
     @router.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request) -> Response:
@@ -150,8 +163,9 @@ def sglang_router(tm, server_args) -> APIRouter:
 
     @router.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> Response:
-        return await _profile_call(ProfileReq(request_id="", action="stop"),
-                                   "Stop profiling. This will take some time.\n")
+        return await _profile_call(
+            ProfileReq(request_id="", action="stop"), "Stop profiling. This will take some time.\n"
+        )
 
     async def _profile_call(req: ProfileReq, ok_text: str) -> Response:
         result = await tm.profile(req)

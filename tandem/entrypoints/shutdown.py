@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from starlette.responses import Response
@@ -38,8 +38,7 @@ WORKER_DRAIN_SIGNAL = signal.SIGUSR2
 DRAINING_MESSAGE = "the server is shutting down"
 ABORT_MESSAGE = "the server is shutting down: the request did not finish within --graceful-shutdown-timeout"
 # Routes that still answer while draining: aborting, and reading the server's state.
-DRAIN_OPEN_PATHS = frozenset({"/abort_request", "/server_info", "/get_server_info", "/model_info",
-                              "/get_model_info"})
+DRAIN_OPEN_PATHS = frozenset({"/abort_request", "/server_info", "/get_server_info", "/model_info", "/get_model_info"})
 # After the abort at the end of the grace period: how long the aborted requests get to answer.
 ABORT_FLUSH_S = 2.0
 # After the drain: how long uvicorn waits for open responses to be written before it cancels them.
@@ -64,8 +63,9 @@ class DrainGate:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining on SIGTERM/SIGINT before it shuts down (module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace_s: float,
-                 stop_signals: tuple[int, ...] = STOP_SIGNALS):
+    def __init__(
+        self, config: uvicorn.Config, tm: TokenizerManager, grace_s: float, stop_signals: tuple[int, ...] = STOP_SIGNALS
+    ):
         config.timeout_graceful_shutdown = CLOSE_TIMEOUT_S
         super().__init__(config)
         self.tm = tm
@@ -89,8 +89,12 @@ class DrainingServer(uvicorn.Server):
     def _on_stop_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
         if self._drain_task is None:
-            logger.warning("%s received: draining (new requests get 503; %d running get up to %g s "
-                           "to finish)", name, len(self.tm.rid_to_state), self.grace_s)
+            logger.warning(
+                "%s received: draining (new requests get 503; %d running get up to %g s to finish)",
+                name,
+                len(self.tm.rid_to_state),
+                self.grace_s,
+            )
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         else:
             logger.warning("%s received again: aborting the running requests now", name)

@@ -4,7 +4,8 @@ shared by the native and the OpenAI-compatible routes."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from starlette.requests import Request
 
@@ -47,9 +48,10 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
 
 async def last_outputs(streams: Iterable[AsyncIterator[dict]]) -> list[dict[str, Any]]:
     """The final dict of every stream, awaited concurrently; on failure the rest are cancelled."""
+
     async def last(stream: AsyncIterator[dict]) -> dict:
         out: dict = {}
-        async for out in stream:
+        async for out in stream:  # noqa: B007 - the last one is kept
             pass
         return out
 
@@ -90,8 +92,9 @@ class Refused(Exception):
         self.message, self.status = message, status
 
 
-async def admitted_streams(request: Request, streams: list[AsyncIterator[dict[str, Any]]]
-                           ) -> list[AsyncIterator[dict[str, Any]]] | None:
+async def admitted_streams(
+    request: Request, streams: list[AsyncIterator[dict[str, Any]]]
+) -> list[AsyncIterator[dict[str, Any]]] | None:
     """Before a streamed response's status line: wait for the first output of a single
     stream, so that a request the scheduler refuses (busy under --max-queued-requests)
     gets a real status code rather than an aborted stream. Returns the streams to read
@@ -107,4 +110,3 @@ async def admitted_streams(request: Request, streams: list[AsyncIterator[dict[st
     if refused is not None:
         raise Refused(*refused)
     return [put_back(first, streams[0])]
-

@@ -22,17 +22,19 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
-from tandem.distributed.placement import local_scheduler_ranks
-from tandem.data_parallel.controller import PROCESS_NAME as DP_CONTROLLER, run_data_parallel_controller_process
+from tandem.data_parallel.controller import PROCESS_NAME as DP_CONTROLLER
+from tandem.data_parallel.controller import run_data_parallel_controller_process
 from tandem.detokenizer.detokenizer_manager import run_detokenizer_process
+from tandem.distributed.placement import local_scheduler_ranks
 from tandem.entrypoints.health import EngineHealth
-from tandem.scheduler.forward_watchdog import new_forward_stamp
 from tandem.messages import ReadyMessage
+from tandem.scheduler.forward_watchdog import new_forward_stamp
 from tandem.scheduler.scheduler import run_scheduler_process
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
@@ -90,6 +92,7 @@ class ServerProcesses:
 
     def watch(self, on_child_death: Callable[[str], None], interval: float = 0.5) -> None:
         """Start a daemon thread that calls `on_child_death(name)` if a child exits."""
+
         def loop() -> None:
             while not self._stopping.wait(interval):
                 for p in self.procs:
@@ -121,13 +124,20 @@ def launch_subprocesses(server_args: ServerArgs) -> ServerProcesses:
     mp_ctx = mp.get_context("spawn")
     forward_stamp = new_forward_stamp(mp_ctx)
     ranks = local_scheduler_ranks(server_args)
-    procs = [mp_ctx.Process(target=run_scheduler_process,
-                            args=(server_args, port_args, rank, forward_stamp if rank.is_first else None),
-                            name=rank.name)
-             for rank in ranks]
+    procs = [
+        mp_ctx.Process(
+            target=run_scheduler_process,
+            args=(server_args, port_args, rank, forward_stamp if rank.is_first else None),
+            name=rank.name,
+        )
+        for rank in ranks
+    ]
     if server_args.node_rank == 0 and server_args.dp_size > 1:
-        procs.append(mp_ctx.Process(target=run_data_parallel_controller_process, args=(server_args, port_args),
-                                    name=DP_CONTROLLER))
+        procs.append(
+            mp_ctx.Process(
+                target=run_data_parallel_controller_process, args=(server_args, port_args), name=DP_CONTROLLER
+            )
+        )
     # Without a tokenizer no detokenization runs; other nodes run only scheduler ranks.
     if server_args.node_rank == 0 and not server_args.skip_tokenizer_init:
         procs.append(mp_ctx.Process(target=run_detokenizer_process, args=(server_args, port_args), name="detokenizer"))

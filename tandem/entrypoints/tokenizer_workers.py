@@ -20,12 +20,12 @@ import os
 import signal
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.entrypoints.shutdown import ABORT_FLUSH_S, CLOSE_TIMEOUT_S, STOP_SIGNALS, WORKER_DRAIN_SIGNAL
 from tandem.entrypoints.subprocesses import ServerProcesses
-from tandem.tokenizer.multi_tokenizer import TokenizerRouter
 from tandem.server_args import ServerArgs
+from tandem.tokenizer.multi_tokenizer import TokenizerRouter
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,14 @@ def serve_with_workers(server_args: ServerArgs, procs: ServerProcesses, worker_e
     sock = listening_socket(server_args.host, server_args.port)
     mp_ctx = mp.get_context("spawn")
     health = procs.health()
-    workers = [mp_ctx.Process(target=worker_entry, name=f"tokenizer_worker_{k}",
-                              args=(server_args, procs.port_args, procs.scheduler_info, k, sock, health))
-               for k in range(n)]
+    workers = [
+        mp_ctx.Process(
+            target=worker_entry,
+            name=f"tokenizer_worker_{k}",
+            args=(server_args, procs.port_args, procs.scheduler_info, k, sock, health),
+        )
+        for k in range(n)
+    ]
     drain_started: list[float] = []
 
     def on_stop_signal(signum, frame) -> None:

@@ -28,6 +28,7 @@ def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
 def weight_router(tm) -> APIRouter:
     """The weight routes, served by TokenizerManager `tm`."""
     router = json_router()
+
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         """Load new weights of the same architecture from `model_path` without a restart;
@@ -35,10 +36,12 @@ def weight_router(tm) -> APIRouter:
         try:
             body = await read_json_object(request, empty_is_object=True)
             req = UpdateWeightFromDiskReqInput(
-                request_id="", model_path=_typed(body, "model_path", str, ""),
+                request_id="",
+                model_path=_typed(body, "model_path", str, ""),
                 load_format=_typed(body, "load_format", str, None),
                 abort_all_requests=_typed(body, "abort_all_requests", bool, False),
-                weight_version=_typed(body, "weight_version", str, None))
+                weight_version=_typed(body, "weight_version", str, None),
+            )
             if not req.model_path:
                 raise ValueError("model_path: required")
         except ValueError as e:
@@ -52,8 +55,9 @@ def weight_router(tm) -> APIRouter:
         """The first `truncate_size` rows of the served checkpoint tensor `name`, as a list."""
         try:
             body = await read_json_object(request, empty_is_object=True)
-            req = GetWeightsByNameReqInput(request_id="", name=_typed(body, "name", str, ""),
-                                           truncate_size=_typed(body, "truncate_size", int, 100))
+            req = GetWeightsByNameReqInput(
+                request_id="", name=_typed(body, "name", str, ""), truncate_size=_typed(body, "truncate_size", int, 100)
+            )
             if not req.name or req.truncate_size < 0:
                 raise ValueError("name: required" if not req.name else "truncate_size: must be >= 0")
         except ValueError as e:

@@ -63,7 +63,6 @@ class BaseFormatDetector(ABC):
         self._num_calls = 0
         self._after_call = False
 
-
     @abstractmethod
     def _scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
         """Pieces of `text` and how many of its characters they cover. Without `final`,
@@ -98,8 +97,9 @@ class BaseFormatDetector(ABC):
         result = StreamingParseResult()
         for i, piece in enumerate(pieces):
             if isinstance(piece, DecodedCall):
-                result.calls.append(ToolCallItem(self._num_calls, piece.name,
-                                                 json.dumps(piece.arguments, ensure_ascii=False)))
+                result.calls.append(
+                    ToolCallItem(self._num_calls, piece.name, json.dumps(piece.arguments, ensure_ascii=False))
+                )
                 self._num_calls += 1
                 self._after_call = True
                 continue

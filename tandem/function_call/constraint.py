@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def get_json_schema_constraint(functions: list[dict[str, Any]], name: str | None,
-                               parallel_tool_calls: bool = True) -> dict[str, Any]:
+def get_json_schema_constraint(
+    functions: list[dict[str, Any]], name: str | None, parallel_tool_calls: bool = True
+) -> dict[str, Any]:
     """`functions` are the tools' `function` objects (`name`, `parameters`).
 
     A named function (`name`): its parameters schema; the output is the arguments object.
@@ -25,11 +26,13 @@ def get_json_schema_constraint(functions: list[dict[str, Any]], name: str | None
         for key, value in parameters.pop("$defs", {}).items():
             if defs.setdefault(key, value) != value:
                 raise ValueError(f"tools: the $defs entry {key!r} has different schemas in different tools")
-        items.append({
-            "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": parameters},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        })
+        items.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1

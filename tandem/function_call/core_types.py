@@ -22,6 +22,6 @@ class StreamingParseResult:
     normal_text: str = ""
     calls: list[ToolCallItem] = field(default_factory=list)
 
-    def merged(self, later: "StreamingParseResult") -> "StreamingParseResult":
+    def merged(self, later: StreamingParseResult) -> StreamingParseResult:
         """This result followed by `later`."""
         return StreamingParseResult(self.normal_text + later.normal_text, self.calls + later.calls)

@@ -32,8 +32,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "quant_linear_cpu.cpp",
-           CSRC / "decode_layer_cpu.cpp")
+SOURCES = (
+    CSRC / "decode_attention_cpu.cpp",
+    CSRC / "elementwise_cpu.cpp",
+    CSRC / "quant_linear_cpu.cpp",
+    CSRC / "decode_layer_cpu.cpp",
+)
 HEADERS = (CSRC / "vec.h", CSRC / "ops.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-w")
 NATIVE = "native"  # -march: the build is for this machine's CPU
@@ -54,18 +58,34 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _compile_commands(cxx: str, sources: tuple[Path, ...], objects: list[Path], out: Path,
-                      march: str) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(
+    cxx: str, sources: tuple[Path, ...], objects: list[Path], out: Path, march: str
+) -> tuple[list[list[str]], list[str]]:
     """One command per source (run side by side) compiling it to its object, then the link."""
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch.compiled_with_cxx11_abi())
-    compile_flags = [*FLAGS, *f"-march={march}".split(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                     *[f"-I{p}" for p in include_paths()]]
+    compile_flags = [
+        *FLAGS,
+        *f"-march={march}".split(),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *[f"-I{p}" for p in include_paths()],
+    ]
     compiles = [[cxx, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
-    link = [cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch",
-            f"-Wl,-rpath,{torch_lib}"]
+    link = [
+        cxx,
+        "-shared",
+        "-fopenmp",
+        *map(str, objects),
+        "-o",
+        str(out),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
     return compiles, link
 
 
@@ -108,7 +128,7 @@ def build(sources: tuple[Path, ...] = SOURCES, march: str = NATIVE) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load():
     """`torch.ops.tandem_cpu` with the kernels registered, or None (see the module docstring)."""
     if os.environ.get("TANDEM_DISABLE_CPU_KERNELS", "0") not in ("", "0"):

@@ -34,8 +34,12 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         ops = cpu_kernels.ops_for(x, residual, self.weight)
-        if (ops is not None and x.dim() in (2, 3) and x.shape == residual.shape
-                and x.stride(-1) == residual.stride(-1) == 1):
+        if (
+            ops is not None
+            and x.dim() in (2, 3)
+            and x.shape == residual.shape
+            and x.stride(-1) == residual.stride(-1) == 1
+        ):
             return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), x
         x = x.add_(residual)
         return self._norm(x), x

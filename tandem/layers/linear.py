@@ -31,8 +31,13 @@ from torch import nn
 
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
-from tandem.layers.quantization.gguf_linear import (QUANT_MAX_ROWS, BlockPart, QuantLinearKernel, is_gguf_tensor,
-                                                   quantize_dense)
+from tandem.layers.quantization.gguf_linear import (
+    QUANT_MAX_ROWS,
+    BlockPart,
+    QuantLinearKernel,
+    is_gguf_tensor,
+    quantize_dense,
+)
 from tandem.layers.weight_shard import read_shard, read_whole
 
 
@@ -61,8 +66,9 @@ class LinearBase(nn.Module):
         self.dequantized_types: set[str] = set()
         self.quantized_at_load: str | None = None  # the --quantization method, where it applied
 
-    def keep_blocks(self, loaded, dest_row: int, row_start: int, rows: int, col_start: int = 0,
-                    cols: int | None = None) -> None:
+    def keep_blocks(
+        self, loaded, dest_row: int, row_start: int, rows: int, col_start: int = 0, cols: int | None = None
+    ) -> None:
         """Note that weight rows `[dest_row, +rows)` are `loaded`'s rows `[row_start, ...)`
         (columns `[col_start, +cols)`), when `loaded` is a GGUF tensor."""
         if is_gguf_tensor(loaded):
@@ -73,8 +79,9 @@ class LinearBase(nn.Module):
     def _kernel_bias(self) -> torch.Tensor | None:
         return self.bias
 
-    def process_weights_after_loading(self, backend: str, keep_weight: bool = False,
-                                      quantization: str | None = None) -> None:
+    def process_weights_after_loading(
+        self, backend: str, keep_weight: bool = False, quantization: str | None = None
+    ) -> None:
         """Choose the matmul kernel for the loaded weight; free `weight` when a packed
         kernel holds it, unless `keep_weight` (it is shared with another module).
         `quantization` (q8_0, q4_0, q4_1) first rounds the weight to that GGUF type where its
@@ -88,9 +95,11 @@ class LinearBase(nn.Module):
         if packed is not None:
             self.weight.data.copy_(torch.from_numpy(packed.dequantize()))
         if backend == "auto":
-            self.quant_kernel = (QuantLinearKernel.from_packed(packed, self.weight.data, self._kernel_bias())
-                                 if packed is not None else
-                                 QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias()))
+            self.quant_kernel = (
+                QuantLinearKernel.from_packed(packed, self.weight.data, self._kernel_bias())
+                if packed is not None
+                else QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias())
+            )
         # GGUF types this layer serves dequantized only (no quantized kernel for them here)
         self.dequantized_types = {p.loaded.qtype.name for p in parts} if self.quant_kernel is None else set()
         self.kernel = make_linear_kernel(self.weight.data, self._kernel_bias(), backend)
@@ -149,13 +158,15 @@ class MergedColumnParallelLinear(LinearBase):
     `shard_sizes[i]` rows of this rank's weight, read from row `shard_starts[i]` of the
     part's checkpoint tensor."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
         sizes = [divide(s, tp_size, "fused output sizes") for s in output_sizes]
         self._init_parts(in_features, sizes, [tp_rank * s for s in sizes], bias, tp_rank, tp_size)
 
-    def _init_parts(self, in_features: int, sizes: list[int], starts: list[int], bias: bool,
-                    tp_rank: int, tp_size: int) -> None:
+    def _init_parts(
+        self, in_features: int, sizes: list[int], starts: list[int], bias: bool, tp_rank: int, tp_size: int
+    ) -> None:
         self.shard_sizes, self.shard_starts = sizes, starts
         LinearBase.__init__(self, in_features, sum(sizes), bias, tp_rank, tp_size)
 
@@ -177,7 +188,7 @@ class HeadSplit:
     kv_head_start: int
 
     @classmethod
-    def of(cls, total_heads: int, total_kv_heads: int, tp_rank: int, tp_size: int) -> "HeadSplit":
+    def of(cls, total_heads: int, total_kv_heads: int, tp_rank: int, tp_size: int) -> HeadSplit:
         """Query heads split evenly; KV heads too when there are at least as many as
         ranks, else each rank holds the one KV head its query heads attend to (a query
         head h attends to KV head h * total_kv_heads // total_heads)."""
@@ -194,13 +205,22 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matmul; shard_id is "q", "k" or "v". `heads` says
     which heads this rank holds (KV heads replicated when fewer than the ranks)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         self.heads = HeadSplit.of(num_heads, num_kv_heads, tp_rank, tp_size)
         q_size, kv_size = self.heads.num_heads * head_dim, self.heads.num_kv_heads * head_dim
         kv_start = self.heads.kv_head_start * head_dim
-        self._init_parts(hidden_size, [q_size, kv_size, kv_size], [tp_rank * q_size, kv_start, kv_start],
-                         bias, tp_rank, tp_size)
+        self._init_parts(
+            hidden_size, [q_size, kv_size, kv_size], [tp_rank * q_size, kv_start, kv_start], bias, tp_rank, tp_size
+        )
 
     def weight_loader(self, param, loaded, shard_id=None):
         super().weight_loader(param, loaded, {"q": 0, "k": 1, "v": 2}[shard_id])

@@ -20,7 +20,7 @@ Results equal `F.linear`'s to float rounding (the summation order differs).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -38,8 +38,13 @@ PADDED_ROWS = 4
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `auto` packs this weight: a 2-D CPU float32/bfloat16 tensor, oneDNN built in."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class PackedCpuLinear:
@@ -77,4 +82,3 @@ def make_linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, backend:
         return PackedCpuLinear(weight, bias)
     except RuntimeError:  # a build whose oneDNN refuses this shape or dtype
         return None
-

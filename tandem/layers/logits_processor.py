@@ -7,8 +7,8 @@ sampling transforms), as SGLang reports them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -48,8 +48,9 @@ def token_ids_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> list[lis
 
 
 class LogitsProcessor:
-    def __call__(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
-                 fb: ForwardBatch) -> LogitsProcessorOutput:
+    def __call__(
+        self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], fb: ForwardBatch
+    ) -> LogitsProcessorOutput:
         """`lm_head` maps hidden states [n, hidden] to logits [n, vocab]."""
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput(lm_head(hidden).float(), [None] * fb.batch_size)
@@ -62,16 +63,30 @@ class LogitsProcessor:
             if start < 0:
                 out.input_logprobs.append(None)
             else:
-                out.input_logprobs.append(self._input_logprobs(
-                    hidden[offset : offset + extend_len], lm_head, fb.input_ids[offset : offset + extend_len],
-                    prefix_len, start, fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0,
-                    fb.token_ids_logprobs[i] if fb.token_ids_logprobs else None))
+                out.input_logprobs.append(
+                    self._input_logprobs(
+                        hidden[offset : offset + extend_len],
+                        lm_head,
+                        fb.input_ids[offset : offset + extend_len],
+                        prefix_len,
+                        start,
+                        fb.top_logprobs_nums[i] if fb.top_logprobs_nums else 0,
+                        fb.token_ids_logprobs[i] if fb.token_ids_logprobs else None,
+                    )
+                )
             offset += extend_len
         return out
 
     @staticmethod
-    def _input_logprobs(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, prefix_len: int,
-                        start: int, top_k: int, token_ids: list[int] | None = None) -> InputLogprobs:
+    def _input_logprobs(
+        hidden: torch.Tensor,
+        lm_head: Callable[[torch.Tensor], torch.Tensor],
+        ids: torch.Tensor,
+        prefix_len: int,
+        start: int,
+        top_k: int,
+        token_ids: list[int] | None = None,
+    ) -> InputLogprobs:
         """Prompt token j (absolute) is scored by the logits at position j - 1.
 
         `hidden`/`ids` cover absolute positions prefix_len .. prefix_len + len - 1;

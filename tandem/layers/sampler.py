@@ -33,16 +33,27 @@ class SamplingBatchInfo:
     penalties: PenaltyBatch | None = None
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], output_lens: list[int], vocab_size: int,
-                    device: str, penalties: PenaltyBatch | None = None) -> "SamplingBatchInfo":
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        output_lens: list[int],
+        vocab_size: int,
+        device: str,
+        penalties: PenaltyBatch | None = None,
+    ) -> SamplingBatchInfo:
         return cls(
             temperatures=torch.tensor([[max(p.temperature, 1e-6)] for p in params], dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64, device=device),
+            top_ks=torch.tensor(
+                [p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64, device=device
+            ),
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             is_greedy=[p.is_greedy for p in params],
-            seeds=torch.tensor([[(p.sampling_seed or 0) & _MASK32, ((p.sampling_seed or 0) >> 32) & _MASK32]
-                                for p in params], dtype=torch.int64, device=device).view(-1, 2),
+            seeds=torch.tensor(
+                [[(p.sampling_seed or 0) & _MASK32, ((p.sampling_seed or 0) >> 32) & _MASK32] for p in params],
+                dtype=torch.int64,
+                device=device,
+            ).view(-1, 2),
             has_seed=torch.tensor([p.sampling_seed is not None for p in params], dtype=torch.bool, device=device),
             output_lens=torch.tensor(output_lens, dtype=torch.int64, device=device),
             penalties=penalties,
@@ -69,8 +80,9 @@ class Sampler:
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         probs = _filter_probs(probs, info.top_ks, info.top_ps, info.min_ps)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        noise = torch.where(info.has_seed.unsqueeze(1),
-                            seeded_exponential(info.seeds, info.output_lens, probs.shape[-1]), noise)
+        noise = torch.where(
+            info.has_seed.unsqueeze(1), seeded_exponential(info.seeds, info.output_lens, probs.shape[-1]), noise
+        )
         sampled = torch.argmax(probs / noise, dim=-1)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
@@ -109,7 +121,7 @@ def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
     (With 24 bits, (2**24 - 1 + 0.5) * 2**-24 rounds to 1.0 in float32: noise -log(1) = 0
     let a token with p > 0 win outright (p / 0 = inf) and a filtered one become NaN
     (0 / 0), which argmax picks.)"""
-    return ((bits >> 9).float() + 0.5) * 2.0 ** -23
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -119,8 +131,9 @@ def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_siz
     return -torch.log(bits_to_uniform(seeded_bits(seeds, output_lens, vocab_size)))
 
 
-def _filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                  min_ps: torch.Tensor) -> torch.Tensor:
+def _filter_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)

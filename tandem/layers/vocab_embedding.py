@@ -42,7 +42,7 @@ class VocabShard:
     size: int
 
     @classmethod
-    def of(cls, vocab_size: int, tp_rank: int, tp_size: int) -> "VocabShard":
+    def of(cls, vocab_size: int, tp_rank: int, tp_size: int) -> VocabShard:
         size = -(-vocab_size // tp_size)
         start = tp_rank * size
         return cls(vocab_size, start, max(start, min(start + size, vocab_size)), size)
@@ -75,9 +75,14 @@ class VocabParallelEmbedding(nn.Module):
         the shard's real rows (module docstring)."""
         loaded, self._loaded = self._loaded, None
         real = self.shard.end - self.shard.start
-        if shared_with_head or not is_gguf_tensor(loaded) or real != self.shard.size or self.weight.device.type != "cpu":
+        if (
+            shared_with_head
+            or not is_gguf_tensor(loaded)
+            or real != self.shard.size
+            or self.weight.device.type != "cpu"
+        ):
             return
-        blocks = np.ascontiguousarray(loaded.blocks[self.shard.start:self.shard.end])
+        blocks = np.ascontiguousarray(loaded.blocks[self.shard.start : self.shard.end])
         packed = repack(blocks, loaded.qtype, (real, loaded.shape[1]))
         if packed is not None:
             self.packed = packed

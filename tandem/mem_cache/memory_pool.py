@@ -49,8 +49,7 @@ class TokenToKVPool:
     Invariant: every slot in 1..size is either free or held by exactly one owner.
     """
 
-    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str):
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
         self.size = size
         self.num_layers = num_layers
         self.dtype = dtype

@@ -31,8 +31,8 @@ Everything is iterative; no recursion, so deep trees are fine.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -44,11 +44,12 @@ class TreeNode:
 
     __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, node_id: int, key: tuple[int, ...], value: torch.Tensor,
-                 parent: "TreeNode | None", last_access: int):
+    def __init__(
+        self, node_id: int, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None, last_access: int
+    ):
         self.id = node_id
-        self.key = key                      # tuple of token ids of this edge
-        self.value = value                  # int64 KV slots, same length as key
+        self.key = key  # tuple of token ids of this edge
+        self.value = value  # int64 KV slots, same length as key
         self.parent = parent
         self.children: dict[int, TreeNode] = {}
         self.lock_ref = 0
@@ -61,8 +62,10 @@ class TreeNode:
         return len(self.key)
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, key={list(self.key)}, lock_ref={self.lock_ref}, "
-                f"last_access={self.last_access}, children={len(self.children)})")
+        return (
+            f"TreeNode(id={self.id}, key={list(self.key)}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access}, children={len(self.children)})"
+        )
 
 
 @dataclass
@@ -234,8 +237,7 @@ class RadixCache:
         Evicted slots go back to the pool. Returns the number of tokens freed."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._collect_nodes()
-                if not n.children and n.lock_ref == 0]
+        heap = [(n.last_access, n.id, n) for n in self._collect_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         to_free: list[torch.Tensor] = []
@@ -310,6 +312,7 @@ class RadixCache:
         for node in nodes:
             if node is not self.root_node:
                 assert node.lock_ref >= lock_sum.get(node.id, 0), node
-        assert (total, evictable, protected) == (
-            self._total_size, self._evictable_size, self._protected_size), (
-            (total, evictable, protected), (self._total_size, self._evictable_size, self._protected_size))
+        assert (total, evictable, protected) == (self._total_size, self._evictable_size, self._protected_size), (
+            (total, evictable, protected),
+            (self._total_size, self._evictable_size, self._protected_size),
+        )

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 
 class ReqKVManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 tree_cache: RadixCache | ChunkCache):
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, tree_cache: RadixCache | ChunkCache
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.tree_cache = tree_cache
@@ -43,7 +44,7 @@ class ReqKVManager:
         return self.token_to_kv_pool.alloc(n)
 
     # ---- admission -----------------------------------------------------------------
-    def match_and_lock(self, req: "Req", max_prefix_len: int) -> int:
+    def match_and_lock(self, req: Req, max_prefix_len: int) -> int:
         """Give `req` a row holding the longest cached prefix (at most `max_prefix_len`
         tokens) of its sequence, locked while the request uses it. Returns its length."""
         assert req.req_pool_idx is None
@@ -58,14 +59,14 @@ class ReqKVManager:
         req.kv_len = req.cache_owned_len = int(match.slots.numel())
         return req.kv_len
 
-    def unlock(self, req: "Req") -> None:
+    def unlock(self, req: Req) -> None:
         """Undo match_and_lock for a request that was not admitted after all."""
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.kv_len, req.cache_owned_len = None, None, 0, 0
 
     # ---- allocation for a forward --------------------------------------------------
-    def alloc_extend(self, reqs: list["Req"], extend_lens: list[int]) -> torch.Tensor:
+    def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor:
         """Slots for each request's next `extend_lens[i]` tokens, written into its row."""
         slots = self._alloc_slots(sum(extend_lens))
         assert slots is not None, "admission guaranteed these slots"
@@ -75,7 +76,7 @@ class ReqKVManager:
             offset += n
         return slots
 
-    def alloc_decode(self, reqs: list["Req"]) -> torch.Tensor | None:
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per request for its newest token; None when memory is exhausted."""
         slots = self._alloc_slots(len(reqs))
         if slots is None:
@@ -84,7 +85,7 @@ class ReqKVManager:
         return slots
 
     # ---- caching and release -------------------------------------------------------
-    def _insert(self, req: "Req", kv_len: int) -> None:
+    def _insert(self, req: Req, kv_len: int) -> None:
         """Hand the request's first `kv_len` computed tokens to the cache (a radix tree
         keeps what it lacks)."""
         if not isinstance(self.tree_cache, RadixCache):
@@ -94,7 +95,7 @@ class ReqKVManager:
         if present > req.cache_owned_len:  # computed again what the tree already had
             self.token_to_kv_pool.free(row_slots[req.cache_owned_len : present].clone())
 
-    def cache_unfinished(self, req: "Req") -> None:
+    def cache_unfinished(self, req: Req) -> None:
         """After a prefill (or chunk): put the prompt's KV in the cache so others can reuse
         it, and switch the request's row and lock to the cache's copy."""
         if not isinstance(self.tree_cache, RadixCache) or req.kv_len == 0:
@@ -108,7 +109,7 @@ class ReqKVManager:
         req.last_node = match.last_node
         req.cache_owned_len = req.kv_len
 
-    def release(self, req: "Req") -> None:
+    def release(self, req: Req) -> None:
         """The request stops holding KV (finished, aborted or retracted): its KV goes to
         the cache (radix) or back to the pool (no cache); its row is freed.
 

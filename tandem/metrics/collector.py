@@ -28,11 +28,68 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # SGLang's default buckets (sglang/srt/observability/metrics_collector.py).
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 E2E_BUCKETS = TTFT_BUCKETS + (600, 1200, 1800, 2400)
-ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
-               0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
-TOKENS_BUCKETS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500,
-                  15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000, 100000, 200000,
-                  300000, 400000, 600000, 800000, 1000000, 1100000)
+ITL_BUCKETS = (
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.010,
+    0.015,
+    0.020,
+    0.025,
+    0.030,
+    0.035,
+    0.040,
+    0.060,
+    0.080,
+    0.100,
+    0.200,
+    0.400,
+    0.600,
+    0.800,
+    1.000,
+    2.000,
+    4.000,
+    6.000,
+    8.000,
+)
+TOKENS_BUCKETS = (
+    100,
+    300,
+    500,
+    700,
+    1000,
+    1500,
+    2000,
+    3000,
+    4000,
+    5000,
+    6000,
+    7000,
+    8000,
+    9000,
+    10000,
+    12500,
+    15000,
+    17500,
+    20000,
+    22500,
+    25000,
+    27500,
+    30000,
+    35000,
+    40000,
+    60000,
+    80000,
+    100000,
+    200000,
+    300000,
+    400000,
+    600000,
+    800000,
+    1000000,
+    1100000,
+)
 
 
 def enable_multiprocess_metrics(ipc_dir: str) -> str:
@@ -59,52 +116,86 @@ class TokenizerMetricsCollector:
         self.labels = {"model_name": model_name, "engine_type": "unified"}
         names = list(self.labels)
         stream_names = [*names, "is_streaming"]
-        self.prompt_tokens_total = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
-                                           stream_names, registry=self.registry)
-        self.generation_tokens_total = Counter("sglang:generation_tokens_total",
-                                               "Number of generation tokens processed.", stream_names, registry=self.registry)
-        self.cached_tokens_total = Counter("sglang:cached_tokens_total",
-                                           "Number of cached prompt tokens by source (device/host/storage).",
-                                           [*names, "cache_source"], registry=self.registry)
-        self.num_requests_total = Counter("sglang:num_requests_total", "Number of requests processed.",
-                                          stream_names, registry=self.registry)
-        self.num_aborted_requests_total = Counter("sglang:num_aborted_requests_total",
-                                                  "Number of requests aborted.", names,
-                                                  registry=self.registry)
+        self.prompt_tokens_total = Counter(
+            "sglang:prompt_tokens_total", "Number of prefill tokens processed.", stream_names, registry=self.registry
+        )
+        self.generation_tokens_total = Counter(
+            "sglang:generation_tokens_total",
+            "Number of generation tokens processed.",
+            stream_names,
+            registry=self.registry,
+        )
+        self.cached_tokens_total = Counter(
+            "sglang:cached_tokens_total",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            [*names, "cache_source"],
+            registry=self.registry,
+        )
+        self.num_requests_total = Counter(
+            "sglang:num_requests_total", "Number of requests processed.", stream_names, registry=self.registry
+        )
+        self.num_aborted_requests_total = Counter(
+            "sglang:num_aborted_requests_total", "Number of requests aborted.", names, registry=self.registry
+        )
         # Not in SGLang: finished requests by finish_reason type (stop, length, abort, ...).
-        self.finished_requests_total = Counter("tandem:finished_requests_total",
-                                               "Number of finished requests by finish reason.",
-                                               [*names, "finish_reason"], registry=self.registry)
-        self.prompt_tokens_histogram = Histogram("sglang:prompt_tokens_histogram",
-                                                 "Histogram of prompt token length.", names,
-                                                 buckets=TOKENS_BUCKETS, registry=self.registry)
-        self.generation_tokens_histogram = Histogram("sglang:generation_tokens_histogram",
-                                                     "Histogram of generation token length.", names,
-                                                     buckets=TOKENS_BUCKETS, registry=self.registry)
-        self.time_to_first_token = Histogram("sglang:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", stream_names,
-                                             buckets=TTFT_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram("sglang:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", names,
-                                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e_request_latency = Histogram("sglang:e2e_request_latency_seconds",
-                                             "Histogram of End-to-end request latency in seconds", stream_names,
-                                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.finished_requests_total = Counter(
+            "tandem:finished_requests_total",
+            "Number of finished requests by finish reason.",
+            [*names, "finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_histogram = Histogram(
+            "sglang:prompt_tokens_histogram",
+            "Histogram of prompt token length.",
+            names,
+            buckets=TOKENS_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_tokens_histogram = Histogram(
+            "sglang:generation_tokens_histogram",
+            "Histogram of generation token length.",
+            names,
+            buckets=TOKENS_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            stream_names,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            names,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            stream_names,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, names, multiprocess_mode="mostrecent",
-                         registry=self.registry).labels(**self.labels)
+            return Gauge(name, doc, names, multiprocess_mode="mostrecent", registry=self.registry).labels(**self.labels)
 
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.token_usage = gauge("sglang:token_usage", "The token usage.")
         self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
-        self.kv_available_tokens = gauge("sglang:kv_available_tokens",
-                                         "Number of free token slots in the KV cache pool.")
-        self.kv_evictable_tokens = gauge("sglang:kv_evictable_tokens",
-                                         "Number of evictable (radix-cached) token slots in the KV cache pool.")
-        self.kv_used_tokens = gauge("sglang:kv_used_tokens",
-                                    "Number of actively used token slots in the KV cache pool.")
+        self.kv_available_tokens = gauge(
+            "sglang:kv_available_tokens", "Number of free token slots in the KV cache pool."
+        )
+        self.kv_evictable_tokens = gauge(
+            "sglang:kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool."
+        )
+        self.kv_used_tokens = gauge(
+            "sglang:kv_used_tokens", "Number of actively used token slots in the KV cache pool."
+        )
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
 
     # ---- requests (TokenizerManager) -----------------------------------------------
@@ -118,8 +209,15 @@ class TokenizerMetricsCollector:
         for _ in range(num_new_tokens):
             hist.observe(interval / num_new_tokens)
 
-    def observe_finished_request(self, prompt_tokens: int, generation_tokens: int, cached_tokens: int,
-                                 e2e_latency: float, stream: bool, finish_reason: str) -> None:
+    def observe_finished_request(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        cached_tokens: int,
+        e2e_latency: float,
+        stream: bool,
+        finish_reason: str,
+    ) -> None:
         stream_labels = {**self.labels, "is_streaming": _streaming(stream)}
         self.prompt_tokens_total.labels(**stream_labels).inc(prompt_tokens)
         self.generation_tokens_total.labels(**stream_labels).inc(generation_tokens)

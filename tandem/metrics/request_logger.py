@@ -36,8 +36,11 @@ def truncated(data: Any, max_length: int, skip: frozenset[str] = frozenset()) ->
         parts = [f"'{k}': {truncated(v, max_length)}" for k, v in data.items() if k not in skip]
         return "{" + ", ".join(parts) + "}"
     if dataclasses.is_dataclass(data):
-        parts = [f"{f.name}={truncated(getattr(data, f.name), max_length)}"
-                 for f in dataclasses.fields(data) if f.name not in skip]
+        parts = [
+            f"{f.name}={truncated(getattr(data, f.name), max_length)}"
+            for f in dataclasses.fields(data)
+            if f.name not in skip
+        ]
         return f"{type(data).__name__}(" + ", ".join(parts) + ")"
     return str(data)
 
@@ -57,5 +60,8 @@ class RequestLogger:
         logger.info("Receive: obj=%s", truncated(obj, self.max_length, self.skip))
 
     def log_finished(self, obj: Any, out: dict[str, Any]) -> None:
-        logger.info("Finish: obj=%s, out=%s", truncated(obj, self.max_length, self.skip),
-                    truncated(out, self.max_length, self.out_skip))
+        logger.info(
+            "Finish: obj=%s, out=%s",
+            truncated(obj, self.max_length, self.skip),
+            truncated(out, self.max_length, self.out_skip),
+        )

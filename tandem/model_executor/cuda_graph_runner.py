@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,8 +54,14 @@ class CudaGraphRunner:
     `forward` is called with a ForwardBatch over the static buffers after the attention
     backend's capture hook has run; it must launch only device work (no host syncs)."""
 
-    def __init__(self, forward: Callable[[ForwardBatch], LogitsProcessorOutput], attn_backend: AttentionBackend,
-                 batch_sizes: list[int], vocab_size: int, device: str):
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], LogitsProcessorOutput],
+        attn_backend: AttentionBackend,
+        batch_sizes: list[int],
+        vocab_size: int,
+        device: str,
+    ):
         if not batch_sizes:
             raise ValueError("CUDA graphs: no batch sizes to capture (--cuda-graph-bs)")
         self.forward_fn = forward
@@ -80,10 +86,17 @@ class CudaGraphRunner:
     def _static_batch(self, bs: int) -> ForwardBatch:
         fill = self.attn_backend.get_cuda_graph_seq_len_fill_value()
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[fill] * bs, prefix_lens_cpu=[fill - 1] * bs, extend_lens_cpu=[1] * bs)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[fill] * bs,
+            prefix_lens_cpu=[fill - 1] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -134,6 +147,7 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
-            padded, self.req_pool_indices[:padded], self.seq_lens[:padded])
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded]
+        )
         self.graphs[padded].replay()
         return LogitsProcessorOutput(self.logits[:bs], [None] * bs)

@@ -27,22 +27,22 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
+# gguf's GGUFReader, quantization types and numpy dequantization.
+import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
 
-# gguf's GGUFReader, quantization types and numpy dequantization.
-import gguf
-
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Types dequantized at load (to the serving dtype); any other stops the start.
-SUPPORTED_TYPES = frozenset(gguf.GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+SUPPORTED_TYPES = frozenset(
+    gguf.GGMLQuantizationType[name]
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,11 @@ def is_gguf_path(path: str) -> bool:
     weights: no config.json)."""
     if path.endswith(".gguf"):
         return True
-    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json"))
-            and bool(glob.glob(os.path.join(path, "*.gguf"))))
+    return (
+        os.path.isdir(path)
+        and not os.path.isfile(os.path.join(path, "config.json"))
+        and bool(glob.glob(os.path.join(path, "*.gguf")))
+    )
 
 
 def find_gguf_files(path: str) -> list[str]:
@@ -99,12 +102,16 @@ def find_gguf_files(path: str) -> list[str]:
     ValueError naming what is missing or ambiguous."""
     if os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        firsts = [f for f in found if not SPLIT_RE.match(os.path.basename(f))
-                  or SPLIT_RE.match(os.path.basename(f))["no"] == "00001"]
+        firsts = [
+            f
+            for f in found
+            if not SPLIT_RE.match(os.path.basename(f)) or SPLIT_RE.match(os.path.basename(f))["no"] == "00001"
+        ]
         if len(firsts) != 1:
             names = ", ".join(os.path.basename(f) for f in firsts) or "none"
-            raise ValueError(f"--model-path: {path!r} must hold exactly one GGUF model (found: {names}); "
-                             "name the .gguf file")
+            raise ValueError(
+                f"--model-path: {path!r} must hold exactly one GGUF model (found: {names}); name the .gguf file"
+            )
         path = firsts[0]
     if not os.path.isfile(path):
         raise ValueError(f"--model-path: no such GGUF file {path!r}")
@@ -112,8 +119,10 @@ def find_gguf_files(path: str) -> list[str]:
     if match is None:
         return [path]
     if match["no"] != "00001":
-        raise ValueError(f"--model-path: {path!r} is part {int(match['no'])} of a split GGUF set; "
-                         "name the first part (-00001-of-...)")
+        raise ValueError(
+            f"--model-path: {path!r} is part {int(match['no'])} of a split GGUF set; "
+            "name the first part (-00001-of-...)"
+        )
     count = int(match["count"])
     stem = os.path.join(os.path.dirname(path), match["stem"])
     files = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
@@ -151,19 +160,25 @@ class GGUFMetadata:
         self.reader = self.readers[0]
         self.arch = field_value(self.reader, "general.architecture")
         if self.arch not in FAMILIES:
-            raise ValueError(f"--model-path: GGUF architecture {self.arch!r} is not supported "
-                             f"(supported: {', '.join(sorted(FAMILIES))})")
+            raise ValueError(
+                f"--model-path: GGUF architecture {self.arch!r} is not supported "
+                f"(supported: {', '.join(sorted(FAMILIES))})"
+            )
         self.family = FAMILIES[self.arch]
         experts = self.arch_value("expert_count") or 0
         if experts:  # Mixtral's files say "llama" too
-            raise ValueError(f"--model-path: the GGUF file is a mixture-of-experts model ({self.arch}.expert_count "
-                             f"{experts}), which Tandem cannot load")
+            raise ValueError(
+                f"--model-path: the GGUF file is a mixture-of-experts model ({self.arch}.expert_count "
+                f"{experts}), which Tandem cannot load"
+            )
         self.tensors = [t for r in self.readers for t in r.tensors]
         for t in self.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
-                raise ValueError(f"--model-path: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
-                                 "which Tandem cannot load (supported: "
-                                 f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+                raise ValueError(
+                    f"--model-path: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
+                    "which Tandem cannot load (supported: "
+                    f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+                )
             # Here, not at load: a file that cannot load stops the start in one line.
             if t.name not in SKIPPED_TENSORS and hf_name(t.name) is None:
                 raise ValueError(f"--model-path: unexpected tensor {t.name!r} in the GGUF file")
@@ -200,8 +215,8 @@ class GGUFMetadata:
             "vocab_size": int(vocab),
             # Tied without a head, or with one that copies the embedding (some Qwen2 files
             # carry it): one matrix, as in the model's Hugging Face config.
-            "tie_word_embeddings": output is None or (output.tensor_type == embed.tensor_type
-                                                      and np.array_equal(output.data, embed.data)),
+            "tie_word_embeddings": output is None
+            or (output.tensor_type == embed.tensor_type and np.array_equal(output.data, embed.data)),
             # Served in bfloat16 where the CPU has it unless every weight is float32
             # (model_runner.resolve_dtype, as for a half-precision checkpoint).
             "torch_dtype": "float32" if set(self.tensor_types()) == {"F32"} else "bfloat16",
@@ -268,8 +283,10 @@ def gguf_model_dir(path: str, need_tokenizer: bool = True) -> str:
         _build_model_dir(path, target)
         break
     if need_tokenizer and not os.path.isfile(os.path.join(target, "tokenizer.json")):
-        raise ValueError(f"--model-path: the GGUF file {find_gguf_files(path)[0]!r} has no tokenizer metadata; "
-                         "pass --tokenizer-path (or --skip-tokenizer-init)")
+        raise ValueError(
+            f"--model-path: the GGUF file {find_gguf_files(path)[0]!r} has no tokenizer metadata; "
+            "pass --tokenizer-path (or --skip-tokenizer-init)"
+        )
     return target
 
 

@@ -18,8 +18,8 @@ returned yet (the overlap loop) is a FutureMap placeholder, resolved by the work
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -38,8 +38,12 @@ class PenaltyInput:
 
 
 def needs_penalties(params: SamplingParams) -> bool:
-    return (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-            or params.repetition_penalty != 1.0 or params.min_new_tokens > 0)
+    return (
+        params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or params.min_new_tokens > 0
+    )
 
 
 @dataclass
@@ -55,7 +59,7 @@ class PenaltyBatch:
     banned_tokens: torch.Tensor
 
     @classmethod
-    def build(cls, inputs: list[PenaltyInput], device: str) -> "PenaltyBatch | None":
+    def build(cls, inputs: list[PenaltyInput], device: str) -> PenaltyBatch | None:
         """The batch's adjustments, or None when no request has any."""
         if not any(needs_penalties(x.params) for x in inputs):
             return None
@@ -89,15 +93,19 @@ class PenaltyBatch:
             frequency=column([x.params.frequency_penalty for x in inputs]),
             presence=column([x.params.presence_penalty for x in inputs]),
             repetition=column([x.params.repetition_penalty for x in inputs]),
-            output_rows=ids(out_rows), output_tokens=ids(out_tokens),
-            seen_rows=ids(seen_rows), seen_tokens=ids(seen_tokens),
-            banned_rows=ids(ban_rows), banned_tokens=ids(ban_tokens),
+            output_rows=ids(out_rows),
+            output_tokens=ids(out_tokens),
+            seen_rows=ids(seen_rows),
+            seen_tokens=ids(seen_tokens),
+            banned_rows=ids(ban_rows),
+            banned_tokens=ids(ban_tokens),
         )
 
-    def resolved(self, resolve: Callable[[torch.Tensor], torch.Tensor]) -> "PenaltyBatch":
+    def resolved(self, resolve: Callable[[torch.Tensor], torch.Tensor]) -> PenaltyBatch:
         """This batch with its token ids passed through `resolve` (FutureMap.resolve)."""
-        return dataclasses.replace(self, output_tokens=resolve(self.output_tokens),
-                                   seen_tokens=resolve(self.seen_tokens))
+        return dataclasses.replace(
+            self, output_tokens=resolve(self.output_tokens), seen_tokens=resolve(self.seen_tokens)
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """[bs, vocab] float32 logits -> adjusted logits (a new tensor)."""
@@ -109,8 +117,11 @@ class PenaltyBatch:
             logits = torch.where(seen, penalized, logits)
         if self.output_rows.numel():
             counts = torch.zeros_like(logits)
-            counts.index_put_((self.output_rows, self.output_tokens),
-                              torch.ones_like(self.output_rows, dtype=logits.dtype), accumulate=True)
+            counts.index_put_(
+                (self.output_rows, self.output_tokens),
+                torch.ones_like(self.output_rows, dtype=logits.dtype),
+                accumulate=True,
+            )
             logits -= self.frequency * counts + self.presence * (counts > 0).to(logits.dtype)
         if self.banned_rows.numel():
             logits[self.banned_rows, self.banned_tokens] = float("-inf")

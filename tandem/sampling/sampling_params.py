@@ -23,16 +23,18 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # SGLang sampling parameters of features Tandem does not have yet -> the feature, for the
 # 400 message. Their neutral value (null, empty, beam_width 1) is accepted and ignored.
-UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType({
-    "structural_tag": "structured output",
-    "choice": "structured output (choice)",
-    "stop_regex": "stopping on a regular expression",
-    "beam_width": "beam search",
-    "logit_bias": "logit bias",
-    "custom_params": "custom logit processor input",
-    "watermark": "watermarking",
-    "stream_interval": "a per-request stream interval (use --stream-interval)",
-})
+UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType(
+    {
+        "structural_tag": "structured output",
+        "choice": "structured output (choice)",
+        "stop_regex": "stopping on a regular expression",
+        "beam_width": "beam search",
+        "logit_bias": "logit bias",
+        "custom_params": "custom logit processor input",
+        "watermark": "watermarking",
+        "stream_interval": "a per-request stream interval (use --stream-interval)",
+    }
+)
 # Constrained decoding (tandem/constrained): at most one of these per request.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # Neutral values besides null and empty ones.
@@ -72,7 +74,7 @@ class SamplingParams:
     ebnf: str | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
         """Build from a request's `sampling_params` object.
 
         Every key of SGLang's sampling parameters is accepted; JSON null (and an empty
@@ -89,8 +91,11 @@ class SamplingParams:
             if not is_neutral(data.pop(name, None), _NEUTRAL_SAMPLING_VALUES.get(name)):
                 raise ValueError(f"sampling_params.{name}: {feature} is not supported yet")
         # JSON null means "default"; so does an empty grammar.
-        data = {k: v for k, v in data.items()
-                if (v is not None or k == "sampling_seed") and not (k in GRAMMAR_FIELDS and is_neutral(v))}
+        data = {
+            k: v
+            for k, v in data.items()
+            if (v is not None or k == "sampling_seed") and not (k in GRAMMAR_FIELDS and is_neutral(v))
+        }
         if isinstance(data.get("json_schema"), dict):  # a schema given as an object, not a string
             data["json_schema"] = json.dumps(data["json_schema"])
         if isinstance(data.get("stop"), str):
@@ -140,7 +145,9 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, lo=0)
             if vocab_size is not None and tid >= vocab_size:
-                raise ValueError(f"sampling_params.stop_token_ids: id {tid} is outside the vocabulary of size {vocab_size}")
+                raise ValueError(
+                    f"sampling_params.stop_token_ids: id {tid} is outside the vocabulary of size {vocab_size}"
+                )
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling_params.{name}: must be a boolean")
@@ -160,11 +167,14 @@ class SamplingParams:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"sampling_params.{name}: must be a string")
         if len(grammars) > 1:
-            raise ValueError(f"sampling_params: only one of regex, json_schema, or ebnf can be set "
-                             f"(got {' and '.join(grammars)})")
+            raise ValueError(
+                f"sampling_params: only one of regex, json_schema, or ebnf can be set (got {' and '.join(grammars)})"
+            )
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"sampling_params.min_new_tokens: must be <= max_new_tokens ({self.max_new_tokens}), "
-                             f"got {self.min_new_tokens}")
+            raise ValueError(
+                f"sampling_params.min_new_tokens: must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}"
+            )
 
     def normalize(self, vocab_size: int) -> None:
         """Clamp what is larger than the model can use: a top_k past the vocabulary means

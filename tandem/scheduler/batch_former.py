@@ -15,7 +15,7 @@ cache) and they return to the front of the queue with their outputs kept, to res
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.forward_batch import ForwardMode
 from tandem.mem_cache.req_kv import ReqKVManager
@@ -72,8 +72,14 @@ class BatchFormer:
         """Continue the chunked request, then admit waiting requests while KV fits."""
         if self.chunked_req is None and not self.waiting_queue:
             return None
-        adder = PrefillAdder(self.kv, self.new_token_ratio.value, self.running, self.max_running_requests,
-                             self.max_prefill_tokens, self.chunk_size)
+        adder = PrefillAdder(
+            self.kv,
+            self.new_token_ratio.value,
+            self.running,
+            self.max_running_requests,
+            self.max_prefill_tokens,
+            self.chunk_size,
+        )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         if admit:

@@ -10,7 +10,8 @@ the old weights), the weight version is set, admission resumes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tandem.messages import (
     AbortReq,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 class SchedulerControl:
     """Answers the control calls that reach `scheduler`, and holds the weight update state."""
 
-    def __init__(self, scheduler: "Scheduler"):
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         # A weight update waiting for the running requests to finish; admission is paused meanwhile.
         self.pending_weight_update: UpdateWeightsReq | None = None
@@ -99,8 +100,9 @@ class SchedulerControl:
         """Pause admission (optionally aborting every request); the update runs, and is
         answered, once nothing runs."""
         if self.pending_weight_update is not None:
-            return UpdateWeightFromDiskReqOutput(msg.request_id, False, "another weight update is in progress",
-                                                 weight_version=self.weight_version)
+            return UpdateWeightFromDiskReqOutput(
+                msg.request_id, False, "another weight update is in progress", weight_version=self.weight_version
+            )
         if msg.abort_all_requests:
             self.scheduler.handle_abort(AbortReq(abort_all=True, message="aborted for a weight update"))
         self.pending_weight_update = msg
@@ -114,8 +116,9 @@ class SchedulerControl:
         s.sync_inflight()  # an extra step of a finished request may still write its KV
         runner = s.worker.model_runner
         if isinstance(msg, UpdateWeightsFromTensorReqInput):
-            success, message = runner.update_weights_from_tensor([(name, t.to_tensor()) for name, t in msg.named_tensors],
-                                                                msg.load_format)
+            success, message = runner.update_weights_from_tensor(
+                [(name, t.to_tensor()) for name, t in msg.named_tensors], msg.load_format
+            )
         else:
             success, message = runner.update_weights_from_disk(msg.model_path, msg.load_format)
         if success and msg.flush_cache:
@@ -124,6 +127,12 @@ class SchedulerControl:
             self.num_weight_updates += 1
             self.weight_version = msg.weight_version or str(self.num_weight_updates)
         self.pending_weight_update = None
-        s.io.send_reply(UpdateWeightFromDiskReqOutput(msg.request_id, success, message,
-                                                      num_paused_requests=len(s.batches.waiting_queue),
-                                                      weight_version=self.weight_version))
+        s.io.send_reply(
+            UpdateWeightFromDiskReqOutput(
+                msg.request_id,
+                success,
+                message,
+                num_paused_requests=len(s.batches.waiting_queue),
+                weight_version=self.weight_version,
+            )
+        )

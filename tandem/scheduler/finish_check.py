@@ -42,4 +42,4 @@ class FinishChecker:
         out = req.output_ids
         context = out[-window - 1 : -window] if len(out) > window else req.origin_input_ids[-1:]
         text = self.tokenizer.decode(context + out[-window:], skip_special_tokens=skip_special_tokens)
-        return text[len(self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)):]
+        return text[len(self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)) :]

@@ -53,8 +53,13 @@ class ForwardStats:
         self._last_end = end
         self._steps.append((end - start, idle))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("forward %s busy %.2f ms, idle before it %.2f ms, rolling idle fraction %.3f",
-                         what, (end - start) * 1e3, idle * 1e3, self.idle_fraction())
+            logger.debug(
+                "forward %s busy %.2f ms, idle before it %.2f ms, rolling idle fraction %.3f",
+                what,
+                (end - start) * 1e3,
+                idle * 1e3,
+                self.idle_fraction(),
+            )
 
     def mark_idle(self) -> None:
         """The scheduler has nothing to run: the next gap is not its overhead."""
@@ -76,7 +81,7 @@ class ForwardExecutor:
         self.compute_threads = ComputeThreads.for_device(str(worker.device), ranks=ranks)
         self.stats = ForwardStats()
 
-    def launch(self, mwb: ModelWorkerBatch) -> "Future[GenerationBatchResult]":
+    def launch(self, mwb: ModelWorkerBatch) -> Future[GenerationBatchResult]:
         future: Future[GenerationBatchResult] = Future()
         future.set_result(self._run(mwb))
         return future
@@ -93,8 +98,11 @@ class ForwardExecutor:
         if self.compute_threads is not None and mode.is_decode():
             self.compute_threads.observe_decode(end - start, mwb.forward_batch.batch_size)
         fb = mwb.forward_batch
-        what = (f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens} threads={torch.get_num_threads()}"
-                if logger.isEnabledFor(logging.DEBUG) else "")
+        what = (
+            f"{mode.name} bs={fb.batch_size} tokens={fb.num_tokens} threads={torch.get_num_threads()}"
+            if logger.isEnabledFor(logging.DEBUG)
+            else ""
+        )
         self.stats.record(start, end, what)
         return result
 
@@ -118,7 +126,7 @@ class ForwardThread(ForwardExecutor):
         self._thread = threading.Thread(target=self._loop, name="forward", daemon=True)
         self._thread.start()
 
-    def launch(self, mwb: ModelWorkerBatch) -> "Future[GenerationBatchResult]":
+    def launch(self, mwb: ModelWorkerBatch) -> Future[GenerationBatchResult]:
         future: Future[GenerationBatchResult] = Future()
         launched = None
         if self._stream is not None:
@@ -151,14 +159,21 @@ class LaunchedBatch:
 
     batch: ScheduleBatch
     mwb: ModelWorkerBatch
-    future: "Future[GenerationBatchResult]"
+    future: Future[GenerationBatchResult]
 
 
 class BatchLauncher:
     """Launch a batch's forward and wait for its result, on either executor."""
 
-    def __init__(self, executor: ForwardExecutor, watchdog: ForwardWatchdog, profiler: SchedulerProfiler,
-                 grammar_backend, vocab_size: int, device: str):
+    def __init__(
+        self,
+        executor: ForwardExecutor,
+        watchdog: ForwardWatchdog,
+        profiler: SchedulerProfiler,
+        grammar_backend,
+        vocab_size: int,
+        device: str,
+    ):
         self.executor = executor
         self.watchdog = watchdog
         self.profiler = profiler

@@ -20,7 +20,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tandem.scheduler.schedule_batch import ScheduleBatch
 
@@ -81,9 +82,12 @@ class ForwardWatchdog:
             batch, stuck = self.batch, forward_stuck_for(self.stamp)
             if stuck > self.timeout:
                 break
-        logger.error("watchdog: a forward step has run for %.1f s, past --watchdog-timeout %g s; "
-                     "dumping every thread's stack and the batch, then bringing the server down",
-                     stuck, self.timeout)
+        logger.error(
+            "watchdog: a forward step has run for %.1f s, past --watchdog-timeout %g s; "
+            "dumping every thread's stack and the batch, then bringing the server down",
+            stuck,
+            self.timeout,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         logger.error("watchdog: the batch being forwarded: %s", describe_batch(batch))
         for handler in logging.getLogger().handlers:
@@ -95,6 +99,7 @@ def describe_batch(batch: ScheduleBatch | None) -> str:
     """One line: the forward mode and each request's rid and lengths."""
     if batch is None:
         return "none"
-    reqs = ", ".join(f"{r.rid} (prompt_len={r.prompt_len}, output_len={len(r.output_ids)}, kv_len={r.kv_len})"
-                     for r in batch.reqs)
+    reqs = ", ".join(
+        f"{r.rid} (prompt_len={r.prompt_len}, output_len={len(r.output_ids)}, kv_len={r.kv_len})" for r in batch.reqs
+    )
     return f"{batch.forward_mode.name} of {len(batch.reqs)} requests: {reqs}"

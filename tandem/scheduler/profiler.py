@@ -47,12 +47,15 @@ class SchedulerProfiler:
 
     def _start(self, req: ProfileReq) -> ProfileReqOutput:
         if self.profiler is not None:
-            return ProfileReqOutput(req.request_id, False, "Profiling is already in progress. Call /stop_profile first.")
+            return ProfileReqOutput(
+                req.request_id, False, "Profiling is already in progress. Call /stop_profile first."
+            )
         names = req.activities or ["CPU", "GPU"]
         unknown = [a for a in names if a not in _ACTIVITIES]
         if unknown:
-            return ProfileReqOutput(req.request_id, False, f"activities: unknown activity {unknown[0]!r} "
-                                                            f"(supported: CPU, GPU)")
+            return ProfileReqOutput(
+                req.request_id, False, f"activities: unknown activity {unknown[0]!r} (supported: CPU, GPU)"
+            )
         activities = [_ACTIVITIES[a] for a in names if a == "CPU" or torch.cuda.is_available()]
         output_dir = os.path.abspath(req.output_dir or os.environ.get(PROFILER_DIR_ENV, "/tmp"))
         try:
@@ -62,8 +65,9 @@ class SchedulerProfiler:
         prefix = f"{req.profile_prefix}-" if req.profile_prefix else ""
         self.trace_path = os.path.join(output_dir, f"{prefix}{req.profile_id}{self.rank_suffix}.trace.json.gz")
         self.steps_left = req.num_steps if req.num_steps and req.num_steps > 0 else None
-        self.profiler = torch.profiler.profile(activities=activities, with_stack=req.with_stack is not False,
-                                               record_shapes=bool(req.record_shapes))
+        self.profiler = torch.profiler.profile(
+            activities=activities, with_stack=req.with_stack is not False, record_shapes=bool(req.record_shapes)
+        )
         self.profiler.start()
         logger.info("Profiling starts. Traces will be saved to: %s", self.trace_path)
         return ProfileReqOutput(req.request_id, True, "Succeeded")

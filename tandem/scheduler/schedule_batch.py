@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from tandem import finish_reason
-from tandem.layers.sampler import SamplingBatchInfo
-from tandem.scheduler.future_map import FutureMap
-from tandem.messages import DetokenizeParams
 from tandem.forward_batch import ForwardBatch, ForwardMode
+from tandem.layers.sampler import SamplingBatchInfo
+from tandem.messages import DetokenizeParams
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
+from tandem.scheduler.future_map import FutureMap
 
 # Prompt ids the detokenizer gets as left context for the output (SGLang's value).
 INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
@@ -182,7 +182,7 @@ class ScheduleBatch:
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    def launch(self, vocab_size: int, device: str) -> "ModelWorkerBatch":
+    def launch(self, vocab_size: int, device: str) -> ModelWorkerBatch:
         """The worker's snapshot of this batch; then every request's lengths advance as if
         the forward had run: kv_len by its new tokens, and a request whose forward samples
         its next token gets one pending token (until `process_batch_result`)."""
@@ -229,8 +229,12 @@ class ScheduleBatch:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
-            input_logprob_starts=[r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() else -1
-                                  for i, r in enumerate(self.reqs)] if extend else None,
+            input_logprob_starts=[
+                r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() else -1
+                for i, r in enumerate(self.reqs)
+            ]
+            if extend
+            else None,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
             num_prefill=self.num_prefill,
@@ -240,11 +244,19 @@ class ScheduleBatch:
         penalties = None
         if any(needs_penalties(r.sampling_params) for r in self.reqs):  # hot loop: usually none
             penalties = PenaltyBatch.build(
-                [PenaltyInput(r.sampling_params, r.origin_input_ids, r.launched_output_ids(), r.min_tokens_banned)
-                 for r in self.reqs], device)
+                [
+                    PenaltyInput(r.sampling_params, r.origin_input_ids, r.launched_output_ids(), r.min_tokens_banned)
+                    for r in self.reqs
+                ],
+                device,
+            )
         return SamplingBatchInfo.from_params(
-            [r.sampling_params for r in self.reqs], [r.launched_output_len for r in self.reqs], vocab_size, device,
-            penalties)
+            [r.sampling_params for r in self.reqs],
+            [r.launched_output_len for r in self.reqs],
+            vocab_size,
+            device,
+            penalties,
+        )
 
 
 @dataclass

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.scheduler.schedule_batch import Req
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
+from tandem.scheduler.schedule_batch import Req
 
 LPM_MAX_QUEUE = 128
 # Defer a waiting request whose prompt shares at least this many uncached tokens with a
@@ -38,8 +38,7 @@ class SchedulePolicy:
     def order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
             return waiting
-        lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: r.seq_len - 1]).slots.numel()
-                for r in waiting}
+        lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: r.seq_len - 1]).slots.numel() for r in waiting}
         return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
 
 

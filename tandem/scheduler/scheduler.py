@@ -57,7 +57,11 @@ from tandem.scheduler.tp_worker import HostBatchResult, TpModelWorker
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.process import (
-    configure_logging, ignore_stop_signals, report_scheduler_failure, set_parent_death_signal, set_process_title,
+    configure_logging,
+    ignore_stop_signals,
+    report_scheduler_failure,
+    set_parent_death_signal,
+    set_process_title,
 )
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
@@ -70,27 +74,39 @@ GRAMMAR_POLL_MS = 2
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, io: SchedulerIOBase, worker: TpModelWorker | None = None,
-                 tp_rank: int = 0, forward_stamp: Any = None, dp_rank: int | None = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        io: SchedulerIOBase,
+        worker: TpModelWorker | None = None,
+        tp_rank: int = 0,
+        forward_stamp: Any = None,
+        dp_rank: int | None = None,
+    ):
         """`io` receives and sends every message; `worker` runs the forwards (built from
         `server_args` when not given: tests inject their own)."""
         self.server_args = server_args
         self.io = io
-        self.worker = worker if worker is not None else TpModelWorker(
-            server_args, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        self.worker = (
+            worker if worker is not None else TpModelWorker(server_args, tp_rank=tp_rank, tp_size=server_args.tp_size)
+        )
         runner = self.worker.model_runner
         self.max_running_requests = runner.max_running_requests
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.context_len = runner.context_len
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args.tokenizer_path)
         self.finish_checker = FinishChecker(
-            self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path))
+            self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path)
+        )
         # Constrained decoding: requests wait in the grammar queue until their grammar compiled.
         self.grammar_backend = None
         if server_args.grammar_backend == "xgrammar" and self.tokenizer is not None:
             self.grammar_backend = XGrammarBackend(
-                self.tokenizer, runner.vocab_size, sorted(self.finish_checker.eos_token_ids),
-                any_whitespace=not server_args.constrained_json_disable_any_whitespace)
+                self.tokenizer,
+                runner.vocab_size,
+                sorted(self.finish_checker.eos_token_ids),
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+            )
         self.grammar_queue = GrammarQueue(self.grammar_backend, blocking=server_args.tp_size > 1)
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
@@ -105,8 +121,9 @@ class Scheduler:
         # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
         self.profiler = SchedulerProfiler(tp_rank, dp_rank)
-        self.launcher = BatchLauncher(self.executor, self.watchdog, self.profiler, self.grammar_backend,
-                                      runner.vocab_size, runner.device)
+        self.launcher = BatchLauncher(
+            self.executor, self.watchdog, self.profiler, self.grammar_backend, runner.vocab_size, runner.device
+        )
         # Overlap loop: the launched batch whose result is not processed yet.
         self.inflight: LaunchedBatch | None = None
         self.control = SchedulerControl(self)
@@ -210,10 +227,16 @@ class Scheduler:
         self.send_outputs([req])
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                  stream=msg.stream, return_logprob=msg.return_logprob,
-                  logprob_start_len=msg.logprob_start_len, top_logprobs_num=msg.top_logprobs_num,
-                  token_ids_logprob=msg.token_ids_logprob)
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            token_ids_logprob=msg.token_ids_logprob,
+        )
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.batches.waiting_queue) + len(self.grammar_queue) >= limit:
             req.finished_reason = finish_reason.abort(f"the server is busy: {limit} requests are already waiting", 503)
@@ -222,8 +245,9 @@ class Scheduler:
         sp = req.sampling_params
         # The tokenizer manager has rejected prompts that cannot fit the context or the
         # KV pool; the output is capped so that one request alone always fits both.
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len,
-                                self.max_total_num_tokens - req.prompt_len)
+        sp.max_new_tokens = min(
+            sp.max_new_tokens, self.context_len - req.prompt_len, self.max_total_num_tokens - req.prompt_len
+        )
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         if sp.min_new_tokens > 0:
             # A grammar ends only with EOS (its stop token), so it decides where the output ends.
@@ -249,6 +273,7 @@ class Scheduler:
 
     def handle_abort(self, msg: AbortReq) -> None:
         """Waiting requests that match end now; running ones at their next result."""
+
         def match(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
 
@@ -352,12 +377,14 @@ class Scheduler:
             self.io.send_output(out)
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank: SchedulerRank = SchedulerRank(0),
-                          forward_stamp: Any = None) -> None:
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, rank: SchedulerRank | None = None, forward_stamp: Any = None
+) -> None:
     """Entry of the scheduler subprocess of `rank`: set up, report readiness, then loop
     until the parent ends it (SIGKILL). A crash, a forward past --watchdog-timeout, or a
     collective that fails because another rank (or node) is gone brings the server down
     (`report_scheduler_failure`)."""
+    rank = rank if rank is not None else SchedulerRank(0)
     name = rank.name
     set_parent_death_signal()
     set_process_title(f"tandem::{name}")
@@ -366,12 +393,16 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank: Sc
     ignore_stop_signals()  # the parent drains, then ends us
     ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
     try:
-        tp = init_tp_group(rank.tp_rank, server_args.tp_size, server_args.device,
-                           init_method(server_args, port_args.ipc_dir, rank.dp_rank), gpu_id(server_args, rank),
-                           timeout_s=server_args.watchdog_timeout)
+        tp = init_tp_group(
+            rank.tp_rank,
+            server_args.tp_size,
+            server_args.device,
+            init_method(server_args, port_args.ipc_dir, rank.dp_rank),
+            gpu_id(server_args, rank),
+            timeout_s=server_args.watchdog_timeout,
+        )
         io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp, rank.dp_rank)
-        scheduler = Scheduler(server_args, io, tp_rank=rank.tp_rank, forward_stamp=forward_stamp,
-                              dp_rank=rank.dp_rank)
+        scheduler = Scheduler(server_args, io, tp_rank=rank.tp_rank, forward_stamp=forward_stamp, dp_rank=rank.dp_rank)
     except Exception as e:  # report the start-up failure, then exit
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
@@ -383,8 +414,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank: Sc
     except Exception as e:
         if tp.size > 1 and is_peer_failure(e):
             others = describe_other_nodes(server_args)
-            logger.error("%s: a collective of the TP group failed: another rank%s died or stopped answering "
-                         "(%s); shutting down", name, f" ({others})" if others else "", e)
+            logger.error(
+                "%s: a collective of the TP group failed: another rank%s died or stopped answering (%s); shutting down",
+                name,
+                f" ({others})" if others else "",
+                e,
+            )
         else:
             logger.error("scheduler crashed:\n%s", traceback.format_exc())
         report_scheduler_failure()

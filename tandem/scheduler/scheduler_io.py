@@ -56,11 +56,13 @@ class SchedulerIO:
         self._to_detokenizer = None
         if not skip_tokenizer_init:
             self._to_detokenizer = zmq_io.make_socket(
-                self._ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False)
+                self._ctx, zmq.PUSH, port_args.scheduler_to_detokenizer, bind=False
+            )
         self._to_controller = None
         if dp_rank is not None:
             self._to_controller = zmq_io.make_socket(
-                self._ctx, zmq.PUSH, port_args.scheduler_to_dp_controller, bind=False)
+                self._ctx, zmq.PUSH, port_args.scheduler_to_dp_controller, bind=False
+            )
         self._poller = zmq.Poller()
         self._poller.register(self._recv, zmq.POLLIN)
 
@@ -119,8 +121,9 @@ class TpSchedulerIO:
             self.sockets.close()
 
 
-def make_scheduler_io(port_args: PortArgs, skip_tokenizer_init: bool, tp: TpGroup,
-                      dp_rank: int | None = None) -> SchedulerIOBase:
+def make_scheduler_io(
+    port_args: PortArgs, skip_tokenizer_init: bool, tp: TpGroup, dp_rank: int | None = None
+) -> SchedulerIOBase:
     """The sockets alone with one rank; with several, each rank's `TpSchedulerIO`
     (only rank 0 opens sockets). `dp_rank`: the replica, under --dp-size > 1."""
     if tp.size == 1:

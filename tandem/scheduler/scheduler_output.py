@@ -4,14 +4,15 @@ that have something due (finished ones; streaming ones on their first token or a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.messages import BatchTokenIDOutput, ReqOutput
 from tandem.scheduler.schedule_batch import Req
 
 
-def build_batch_output(reqs: list[Req], stream_interval: int, weight_version: str,
-                       on_error: Callable[[Req, Exception], None]) -> BatchTokenIDOutput | None:
+def build_batch_output(
+    reqs: list[Req], stream_interval: int, weight_version: str, on_error: Callable[[Req, Exception], None]
+) -> BatchTokenIDOutput | None:
     """Everything due of `reqs`, or None when nothing is, stamped with the served
     `weight_version`. A request whose record cannot be built is reported to `on_error`
     (which ends it) and sent as an error finish."""
@@ -37,9 +38,15 @@ def output_record(req: Req) -> ReqOutput:
     """What is new for `req` since its last record."""
     first = not req.sent_detokenize_params
     record = ReqOutput(
-        rid=req.rid, new_token_ids=req.output_ids[req.sent_len :], finished_reason=req.finished_reason,
-        prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-        retractions=req.retractions, detokenize_params=req.detokenize_params() if first else None)
+        rid=req.rid,
+        new_token_ids=req.output_ids[req.sent_len :],
+        finished_reason=req.finished_reason,
+        prompt_tokens=req.prompt_len,
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        retractions=req.retractions,
+        detokenize_params=req.detokenize_params() if first else None,
+    )
     if req.return_logprob:
         record.output_token_logprobs = req.output_token_logprobs[req.sent_len :]
         record.output_top_logprobs = req.output_top_logprobs[req.sent_len :]
@@ -54,6 +61,12 @@ def output_record(req: Req) -> ReqOutput:
 def error_record(req: Req) -> ReqOutput:
     """The last record of a request ended by an error: its finish, no new ids (the
     detokenizer passes an unknown id without DetokenizeParams through as "")."""
-    return ReqOutput(rid=req.rid, new_token_ids=[], finished_reason=req.finished_reason,
-                     prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-                     cached_tokens=req.cached_tokens, retractions=req.retractions)
+    return ReqOutput(
+        rid=req.rid,
+        new_token_ids=[],
+        finished_reason=req.finished_reason,
+        prompt_tokens=req.prompt_len,
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        retractions=req.retractions,
+    )

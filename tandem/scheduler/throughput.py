@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # Seconds of recent batches the rate is taken over.
 GEN_THROUGHPUT_WINDOW_S = 5.0

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.logits_processor import InputLogprobs, LogitsProcessorOutput
+from tandem.model_executor.model_runner import ModelRunner
 from tandem.scheduler.future_map import FutureMap
 from tandem.scheduler.schedule_batch import ModelWorkerBatch
-from tandem.model_executor.model_runner import ModelRunner
 from tandem.server_args import ServerArgs
 
 
@@ -54,8 +54,10 @@ class GenerationBatchResult:
         """Queue the device-to-host copies and record `copy_done` (no-op on CPU)."""
         if self.next_token_ids.device.type != "cuda":
             return
+
         def host(t):
             return None if t is None else t.to("cpu", non_blocking=True)
+
         self.next_token_ids, self.token_logprobs = host(self.next_token_ids), host(self.token_logprobs)
         self.top_values, self.top_ids = host(self.top_values), host(self.top_ids)
         self.token_ids_logprobs = [host(t) for t in self.token_ids_logprobs]
@@ -67,8 +69,7 @@ class GenerationBatchResult:
         if self.copy_done is not None:
             self.copy_done.synchronize()
         bs = len(mwb.return_logprob)
-        out = HostBatchResult(self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs,
-                              self.input_logprobs)
+        out = HostBatchResult(self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs, self.input_logprobs)
         if not self.logprob_rows:
             return out
         chosen = self.token_logprobs.tolist()
@@ -134,8 +135,10 @@ class TpModelWorker:
             k_max = max(mwb.top_logprobs_nums[i] for i in rows)
             result.top_values, result.top_ids = logprobs.topk(k_max, dim=-1)
             result.token_ids_logprobs = [
-                None if mwb.token_ids_logprob[i] is None else
-                logprobs[j, torch.tensor(mwb.token_ids_logprob[i], dtype=torch.int64, device=logits.device)]
-                for j, i in enumerate(rows)]
+                None
+                if mwb.token_ids_logprob[i] is None
+                else logprobs[j, torch.tensor(mwb.token_ids_logprob[i], dtype=torch.int64, device=logits.device)]
+                for j, i in enumerate(rows)
+            ]
         result.copy_to_host()
         return result

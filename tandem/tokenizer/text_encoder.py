@@ -23,8 +23,9 @@ class TextEncoder:
         self.max_chars_per_token = max_chars_per_token(tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenizer")
 
-    async def encode(self, text: str, field: str, add_special_tokens: bool = True,
-                     max_tokens: int | None = None) -> list[int]:
+    async def encode(
+        self, text: str, field: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
         """The token ids of `text`, computed on the tokenizer thread.
 
         With `max_tokens`, a text longer than `max_tokens` x the most characters one
@@ -32,17 +33,21 @@ class TextEncoder:
         """
         bound = self.max_chars_per_token
         if max_tokens is not None and bound is not None and len(text) > max_tokens * bound:
-            raise ValueError(f"{field}: the prompt is {len(text)} characters long, so more than {max_tokens} "
-                             f"tokens (no token covers more than {bound} characters): it cannot fit the "
-                             "context length")
+            raise ValueError(
+                f"{field}: the prompt is {len(text)} characters long, so more than {max_tokens} "
+                f"tokens (no token covers more than {bound} characters): it cannot fit the "
+                "context length"
+            )
         encode = functools.partial(self._encode, text, field, add_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(self._executor, encode)
 
     def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
         match = LONE_SURROGATE.search(text)
         if match is not None:
-            raise ValueError(f"{field}: contains a lone surrogate {ascii(match.group())} at character "
-                             f"{match.start()}, which is not valid Unicode")
+            raise ValueError(
+                f"{field}: contains a lone surrogate {ascii(match.group())} at character "
+                f"{match.start()}, which is not valid Unicode"
+            )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

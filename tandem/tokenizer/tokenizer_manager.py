@@ -23,8 +23,9 @@ import logging
 import time
 import traceback
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -32,6 +33,7 @@ import zmq.asyncio
 import tandem
 from tandem import finish_reason
 from tandem.constrained.grammar_key import verify_grammar
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.messages import (
     AbortLabelReq,
     AbortReq,
@@ -52,13 +54,12 @@ from tandem.messages import (
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsReq,
 )
-from tandem.entrypoints.native_protocol import GenerateReqInput
-from tandem.tokenizer.multi_tokenizer import rid_prefix
 from tandem.metrics.collector import TokenizerMetricsCollector
 from tandem.metrics.request_logger import RequestLogger
-from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
+from tandem.tokenizer.multi_tokenizer import rid_prefix
+from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.utils import zmq_io
 from tandem.utils.tokenizer import load_tokenizer
 
@@ -108,8 +109,9 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any],
-                 worker_id: int | None = None):
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict[str, Any], worker_id: int | None = None
+    ):
         """`worker_id`: this manager's number among --tokenizer-worker-num N > 1 worker
         processes (None: the only one)."""
         self.server_args = server_args
@@ -138,21 +140,26 @@ class TokenizerManager:
         # Other workers, told of an /abort_request by label that may name their requests.
         self._peers: list[zmq.asyncio.Socket] = []
         if worker_id is None:
-            self.recv_from_detokenizer = zmq_io.make_socket(ctx, zmq.PULL, port_args.detokenizer_to_tokenizer,
-                                                            bind=True)
+            self.recv_from_detokenizer = zmq_io.make_socket(
+                ctx, zmq.PULL, port_args.detokenizer_to_tokenizer, bind=True
+            )
             self.recv_from_scheduler = zmq_io.make_socket(ctx, zmq.PULL, port_args.scheduler_to_tokenizer, bind=True)
             self._recv_socks = [self.recv_from_detokenizer, self.recv_from_scheduler]
         else:  # outputs (detokenizer), control replies (the main process's router), peers' aborts
             self._recv_socks = [zmq_io.make_socket(ctx, zmq.PULL, port_args.tokenizer_worker(worker_id), bind=True)]
-            self._peers = [zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_worker(k), bind=False)
-                           for k in range(server_args.tokenizer_worker_num) if k != worker_id]
+            self._peers = [
+                zmq_io.make_socket(ctx, zmq.PUSH, port_args.tokenizer_worker(k), bind=False)
+                for k in range(server_args.tokenizer_worker_num)
+                if k != worker_id
+            ]
         self._loop_tasks: list[asyncio.Task] = []
         self.metrics = TokenizerMetricsCollector(server_args.served_model_name) if server_args.enable_metrics else None
         self.request_logger = RequestLogger(server_args.log_requests_level) if server_args.log_requests else None
 
     # ---- requests ------------------------------------------------------------------
-    async def generate_request(self, obj: GenerateReqInput, incremental: bool | None = None
-                               ) -> list[AsyncIterator[dict[str, Any]]]:
+    async def generate_request(
+        self, obj: GenerateReqInput, incremental: bool | None = None
+    ) -> list[AsyncIterator[dict[str, Any]]]:
         """Validate, tokenize and send every prompt of `obj`; one output stream per sample.
 
         A batch of B prompts with sampling_params.n = n gives B * n streams, prompt-major.
@@ -176,17 +183,31 @@ class TokenizerManager:
             if n == 1:
                 reqs.append((item, first, label, None))
                 continue
-            reqs.extend((item, dataclasses.replace(first, rid=self._new_rid(), sampling_params=copy.copy(
-                first.sampling_params)), f"{label}-{i}", label) for i in range(n))
+            reqs.extend(
+                (
+                    item,
+                    dataclasses.replace(first, rid=self._new_rid(), sampling_params=copy.copy(first.sampling_params)),
+                    f"{label}-{i}",
+                    label,
+                )
+                for i in range(n)
+            )
         self._check_labels([label for *_, label, _ in reqs] + list(dict.fromkeys(g for *_, g in reqs if g)))
         streams = []
         for item, req, label, group in reqs:
-            state = ReqState(rid=req.rid, label=label, group=group, prompt_tokens=len(req.input_ids),
-                             created=time.time(), return_logprob=item.return_logprob,
-                             return_text_in_logprobs=item.return_text_in_logprobs,
-                             top_logprobs_num=req.top_logprobs_num,
-                             token_ids_logprob=req.token_ids_logprob is not None, stream=item.stream,
-                             obj=item if self.request_logger is not None else None)
+            state = ReqState(
+                rid=req.rid,
+                label=label,
+                group=group,
+                prompt_tokens=len(req.input_ids),
+                created=time.time(),
+                return_logprob=item.return_logprob,
+                return_text_in_logprobs=item.return_text_in_logprobs,
+                top_logprobs_num=req.top_logprobs_num,
+                token_ids_logprob=req.token_ids_logprob is not None,
+                stream=item.stream,
+                obj=item if self.request_logger is not None else None,
+            )
             self.rid_to_state[req.rid] = state
             self.num_requests += 1
             for name in filter(None, (label, group)):
@@ -215,8 +236,9 @@ class TokenizerManager:
             if not rids:
                 self.label_to_rids.pop(name, None)
 
-    async def _wait_for_outputs(self, state: ReqState, stream: bool, incremental: bool
-                                ) -> AsyncIterator[dict[str, Any]]:
+    async def _wait_for_outputs(
+        self, state: ReqState, stream: bool, incremental: bool
+    ) -> AsyncIterator[dict[str, Any]]:
         try:
             while True:
                 await state.event.wait()
@@ -296,24 +318,38 @@ class TokenizerManager:
         params.verify(self.vocab_size)
         params.normalize(self.vocab_size)
         if params.grammar_key() is not None:
-            verify_grammar(params.grammar_key(), self.server_args.grammar_backend, self.tokenizer is not None,
-                           not self.server_args.constrained_json_disable_any_whitespace)
+            verify_grammar(
+                params.grammar_key(),
+                self.server_args.grammar_backend,
+                self.tokenizer is not None,
+                not self.server_args.constrained_json_disable_any_whitespace,
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop: stop strings need a tokenizer; this server runs with "
-                             "--skip-tokenizer-init (use stop_token_ids)")
+            raise ValueError(
+                "sampling_params.stop: stop strings need a tokenizer; this server runs with "
+                "--skip-tokenizer-init (use stop_token_ids)"
+            )
         if obj.logprob_start_len >= len(input_ids):
             raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
         if obj.top_logprobs_num > self.vocab_size:
             raise ValueError(f"top_logprobs_num: must be <= the vocabulary size ({self.vocab_size})")
         bad = [t for t in obj.token_ids_logprob or [] if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token_ids_logprob: contains out-of-vocabulary token id {bad[0]}; "
-                             f"valid range is [0, {self.vocab_size})")
+            raise ValueError(
+                f"token_ids_logprob: contains out-of-vocabulary token id {bad[0]}; "
+                f"valid range is [0, {self.vocab_size})"
+            )
         return TokenizedGenerateReqInput(
-            rid=self._new_rid(), input_ids=input_ids, sampling_params=params, stream=obj.stream, input_text=obj.text,
-            return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            rid=self._new_rid(),
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=obj.stream,
+            input_text=obj.text,
+            return_logprob=obj.return_logprob,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
-            token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None)
+            token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None,
+        )
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
         """Stop the running request(s) labelled `rid` (every sample of an n > 1 request),
@@ -347,8 +383,13 @@ class TokenizerManager:
         # SGLang's keys: the live counts per data-parallel rank (one entry per replica under
         # --dp-size > 1; the top-level counts are then their sums), and the version.
         internal_states = [_live_counts(s) for s in state.dp_rank_states] if state.dp_rank_states else [live]
-        info = {**args, **self.scheduler_info, **live, "internal_states": internal_states,
-                "version": tandem.__version__}
+        info = {
+            **args,
+            **self.scheduler_info,
+            **live,
+            "internal_states": internal_states,
+            "version": tandem.__version__,
+        }
         if self.worker_id is not None:  # which worker answered, and how many requests it has sent
             info.update(tokenizer_worker_id=self.worker_id, tokenizer_worker_num_requests=self.num_requests)
         return info
@@ -371,8 +412,9 @@ class TokenizerManager:
         req.request_id = self._new_rid()
         return await self._control_call(req, timeout)
 
-    async def get_weights_by_name(self, req: GetWeightsByNameReqInput,
-                                  timeout: float = 60.0) -> GetWeightsByNameReqOutput:
+    async def get_weights_by_name(
+        self, req: GetWeightsByNameReqInput, timeout: float = 60.0
+    ) -> GetWeightsByNameReqOutput:
         """The first rows of a served checkpoint tensor (ModelRunner.get_weights_by_name)."""
         req.request_id = self._new_rid()
         return await self._control_call(req, timeout)
@@ -448,18 +490,22 @@ class TokenizerManager:
             deltas["output_token_logprobs"] = self._with_text(out.output_token_logprobs, state)
             deltas["output_top_logprobs"] = [self._with_text(top, state) for top in out.output_top_logprobs]
             deltas["output_token_ids_logprobs"] = [
-                self._with_text(pairs, state) for pairs in out.output_token_ids_logprobs or []]
+                self._with_text(pairs, state) for pairs in out.output_token_ids_logprobs or []
+            ]
             for key in LOGPROB_KEYS:
                 state.logprobs[key].extend(deltas[key])
             if out.input_token_logprobs is not None:
                 state.input_logprobs = {
                     "input_token_logprobs": self._with_text(out.input_token_logprobs, state),
                     "input_top_logprobs": [self._with_text(top, state) for top in out.input_top_logprobs],
-                    "input_token_ids_logprobs": [None if pairs is None else self._with_text(pairs, state)
-                                                 for pairs in out.input_token_ids_logprobs or []],
+                    "input_token_ids_logprobs": [
+                        None if pairs is None else self._with_text(pairs, state)
+                        for pairs in out.input_token_ids_logprobs or []
+                    ],
                 }
-        meta = self._meta(state, finished, out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-                          out.retractions, now)
+        meta = self._meta(
+            state, finished, out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.retractions, now
+        )
         meta["weight_version"] = out.weight_version
         state.pending.append((out.text_delta, out.new_token_ids, deltas, meta))
         state.finished = finished is not None
@@ -477,14 +523,26 @@ class TokenizerManager:
                 state.last_token_time = now
             if out.finished_reason is not None:
                 self.metrics.observe_finished_request(
-                    out.prompt_tokens, out.completion_tokens, out.cached_tokens, now - state.created,
-                    state.stream, str(out.finished_reason.get("type")))
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.cached_tokens,
+                    now - state.created,
+                    state.stream,
+                    str(out.finished_reason.get("type")),
+                )
         if self.request_logger is not None and out.finished_reason is not None:
             self.request_logger.log_finished(state.obj, self._output(state, state.pending[-1:], delta=False))
 
     @staticmethod
-    def _meta(state: ReqState, finished: dict[str, Any] | None, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int, retractions: int, now: float) -> dict[str, Any]:
+    def _meta(
+        state: ReqState,
+        finished: dict[str, Any] | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        retractions: int,
+        now: float,
+    ) -> dict[str, Any]:
         meta = {
             "id": state.label,
             "finish_reason": finished,

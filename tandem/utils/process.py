@@ -51,8 +51,7 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def kill_process_tree(pid: int, include_parent: bool = True, sig: int = signal.SIGTERM,
-                      timeout: float = 5.0) -> None:
+def kill_process_tree(pid: int, include_parent: bool = True, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
     """Send `sig` to `pid` and all its descendants, then SIGKILL whatever is left after
     `timeout` seconds."""
     try:

@@ -46,8 +46,16 @@ def get_eos_token_ids(config, tokenizer=None, model_path: str | None = None) -> 
 # How many input characters each normalizer may merge into one (None: it may delete
 # characters, so no bound). Unicode composition (NFC, NFKC) joins at most 4 code points
 # into one (U+1F82 decomposes to 4); the other listed ones never shorten a text.
-_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "Append": 1,
-                      "ByteLevel": 1}
+_NORMALIZER_SHRINK = {
+    "NFC": 4,
+    "NFKC": 4,
+    "NFD": 1,
+    "NFKD": 1,
+    "Lowercase": 1,
+    "Prepend": 1,
+    "Append": 1,
+    "ByteLevel": 1,
+}
 # Pre-tokenizers that drop characters (whitespace, delimiters): no bound with them.
 _DROPPING_PRE_TOKENIZERS = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit"}
 

@@ -27,14 +27,18 @@ def hf_greedy(model_dir, dtype: torch.dtype, prompt: list[int]) -> tuple[list[in
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).cuda().eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=STEPS, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                             output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), out.logits[0][0].float()
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), out.logits[0][0].float()
 
 
-@pytest.mark.parametrize("dtype,backend", [("float32", "triton"), ("float32", "torch_native"),
-                                           ("bfloat16", "triton")])
+@pytest.mark.parametrize("dtype,backend", [("float32", "triton"), ("float32", "torch_native"), ("bfloat16", "triton")])
 def test_greedy_equals_transformers(model_dir, dtype, backend):
     runner = make_runner(model_dir, device="cuda", dtype=dtype, attention_backend=backend)
     ids, logits = greedy_steps(runner, PROMPTS, STEPS)
@@ -49,10 +53,15 @@ def test_greedy_equals_transformers(model_dir, dtype, backend):
 
 
 def test_triton_equals_torch_native(model_dir):
-    a = greedy_steps(make_runner(model_dir, device="cuda", dtype="float32", attention_backend="torch_native"),
-                     PROMPTS, STEPS)
-    b = greedy_steps(make_runner(model_dir, device="cuda", dtype="float32", attention_backend="triton",
-                                 disable_cuda_graph=True), PROMPTS, STEPS, chunk=32)
+    a = greedy_steps(
+        make_runner(model_dir, device="cuda", dtype="float32", attention_backend="torch_native"), PROMPTS, STEPS
+    )
+    b = greedy_steps(
+        make_runner(model_dir, device="cuda", dtype="float32", attention_backend="triton", disable_cuda_graph=True),
+        PROMPTS,
+        STEPS,
+        chunk=32,
+    )
     assert a[0] == b[0]
     for x, y in zip(a[1], b[1]):
         torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)

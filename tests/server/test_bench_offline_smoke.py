@@ -10,10 +10,31 @@ import sys
 def test_bench_offline_throughput_smoke(tiny_llama_dir, tmp_path):
     out = tmp_path / "offline.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.bench_offline_throughput", "--model-path", str(tiny_llama_dir),
-         "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5", "--random-range-ratio", "1.0",
-         "--max-running-requests", "4", "--output-file", str(out), "--tag", "smoke"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "tandem.bench_offline_throughput",
+            "--model-path",
+            str(tiny_llama_dir),
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1.0",
+            "--max-running-requests",
+            "4",
+            "--output-file",
+            str(out),
+            "--tag",
+            "smoke",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Offline Throughput Benchmark Result" in proc.stdout
     [line] = out.read_text().splitlines()

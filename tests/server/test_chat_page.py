@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from server_launcher import ServerHandle
 
 
@@ -24,8 +23,9 @@ def _chromium() -> str | None:
 
 CHROMIUM = _chromium()
 if CHROMIUM is None:
-    pytest.skip("no chromium browser installed (Debian: apt-get install chromium, or `make browser`)",
-                allow_module_level=True)
+    pytest.skip(
+        "no chromium browser installed (Debian: apt-get install chromium, or `make browser`)", allow_module_level=True
+    )
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements.txt)")
 expect = sync_api.expect
 
@@ -67,8 +67,11 @@ def page(browser):
 
 @pytest.fixture(scope="module")
 def slow_keyed_server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--api-key", API_KEY, "--skip-server-warmup"],
-                      env={"TANDEM_TEST_FORWARD_SLEEP_S": str(FORWARD_SLEEP_S)}) as handle:
+    with ServerHandle(
+        tiny_llama_dir,
+        extra_args=["--api-key", API_KEY, "--skip-server-warmup"],
+        env={"TANDEM_TEST_FORWARD_SLEEP_S": str(FORWARD_SLEEP_S)},
+    ) as handle:
         yield handle
 
 
@@ -126,9 +129,16 @@ def test_a_typed_question_gets_the_streamed_answer(server, page):
     expect(page.locator("#prompt")).to_have_value("")
     shown = page.locator(".msg.assistant .text").text_content()
 
-    reference = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
-        "model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 24,
-    }).json()
+    reference = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": 24,
+        },
+    ).json()
     (choice,) = reference["choices"]
     assert shown and shown == choice["message"]["content"]
     assert meta.text_content().startswith(f"{reference['usage']['completion_tokens']} tokens")
@@ -196,8 +206,11 @@ def test_with_an_api_key_the_page_asks_for_it(slow_keyed_server, page):
     page.fill("#api-key", API_KEY)
     page.click("#key-form button")
     expect(page.locator("#key-form")).to_be_hidden()
-    expect(page.locator("#model")).to_have_text(httpx.get(
-        server.base_url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"])
+    expect(page.locator("#model")).to_have_text(
+        httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0][
+            "id"
+        ]
+    )
     expect(page.locator("#status")).to_have_text(STATUS)
     _settings(page, **{"max-tokens": "6"})
     _ask(page, "Hello!")

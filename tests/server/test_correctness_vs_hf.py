@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import hf_reference
 import httpx
 import pytest
-
-import hf_reference
 from server_launcher import ServerHandle
 
 PROMPTS = [
@@ -24,23 +23,31 @@ MAX_NEW_TOKENS = 32
 
 async def _generate_all(base_url: str, prompts: list[str]) -> list[dict]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
         async def one(p: str) -> dict:
-            r = await client.post("/generate", json={
-                "text": p, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}})
+            r = await client.post(
+                "/generate", json={"text": p, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}}
+            )
             r.raise_for_status()
             return r.json()
 
         return await asyncio.gather(*[one(p) for p in prompts])
 
 
-@pytest.mark.parametrize("model_fixture,linear_backend", [
-    ("tiny_llama_dir", "auto"), ("tiny_qwen2_dir", "auto"), ("stories_dir", "auto"),
-    # F.linear on the weights as loaded, untied and tied LM heads.
-    ("tiny_llama_dir", "torch"), ("tiny_qwen2_dir", "torch")])
+@pytest.mark.parametrize(
+    "model_fixture,linear_backend",
+    [
+        ("tiny_llama_dir", "auto"),
+        ("tiny_qwen2_dir", "auto"),
+        ("stories_dir", "auto"),
+        # F.linear on the weights as loaded, untied and tied LM heads.
+        ("tiny_llama_dir", "torch"),
+        ("tiny_qwen2_dir", "torch"),
+    ],
+)
 def test_greedy_matches_transformers(model_fixture, linear_backend, request):
     model_dir = request.getfixturevalue(model_fixture)
-    expected = [hf_reference.greedy_ids(model_dir, hf_reference.encode(model_dir, p), MAX_NEW_TOKENS)
-                for p in PROMPTS]
+    expected = [hf_reference.greedy_ids(model_dir, hf_reference.encode(model_dir, p), MAX_NEW_TOKENS) for p in PROMPTS]
     with ServerHandle(model_dir, extra_args=["--linear-backend", linear_backend]) as server:
         outputs = asyncio.run(_generate_all(server.base_url, PROMPTS))
     for prompt, out, ref in zip(PROMPTS, outputs, expected):
@@ -56,8 +63,11 @@ def test_greedy_matches_transformers(model_fixture, linear_backend, request):
 
 def test_stories_greedy_text_is_english(stories_dir):
     with ServerHandle(stories_dir) as server:
-        r = httpx.post(server.base_url + "/generate", timeout=60, json={
-            "text": "Once upon a time", "sampling_params": {"max_new_tokens": 60, "temperature": 0}})
+        r = httpx.post(
+            server.base_url + "/generate",
+            timeout=60,
+            json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 60, "temperature": 0}},
+        )
     text = r.json()["text"]
     words = set(text.lower().replace(".", " ").replace(",", " ").split())
     assert {"the", "was", "a"} & words, text

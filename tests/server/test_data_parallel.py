@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-
 from http_helpers import assert_memory_idle, generate, stream_events
 from server_launcher import ServerHandle
 
@@ -28,9 +27,20 @@ PARAMS = {"max_new_tokens": 16, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def dp2_server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--dp-size", "2", "--tp-size", "2", "--load-balance-method",
-                                                "shortest_queue", "--chunked-prefill-size", "8",
-                                                "--enable-overlap-schedule"]) as h:
+    with ServerHandle(
+        tiny_llama_dir,
+        extra_args=[
+            "--dp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "--load-balance-method",
+            "shortest_queue",
+            "--chunked-prefill-size",
+            "8",
+            "--enable-overlap-schedule",
+        ],
+    ) as h:
         yield h
 
 
@@ -46,8 +56,14 @@ def _finished_per_replica(client: httpx.Client) -> list[int]:
 
 def test_one_process_per_replica_and_the_controller(dp2_server):
     names = {p.cmdline()[0] for p in psutil.Process(dp2_server.proc.pid).children(recursive=True)}
-    assert {"tandem::scheduler_DP0_TP0", "tandem::scheduler_DP0_TP1", "tandem::scheduler_DP1_TP0",
-            "tandem::scheduler_DP1_TP1", "tandem::data_parallel_controller", "tandem::detokenizer"} <= names
+    assert {
+        "tandem::scheduler_DP0_TP0",
+        "tandem::scheduler_DP0_TP1",
+        "tandem::scheduler_DP1_TP0",
+        "tandem::scheduler_DP1_TP1",
+        "tandem::data_parallel_controller",
+        "tandem::detokenizer",
+    } <= names
 
 
 def test_concurrent_greedy_outputs_equal_dp1_and_both_replicas_work(client, dp2_client):
@@ -72,9 +88,16 @@ def test_abort_reaches_whichever_replica_holds_the_request(dp2_server, dp2_clien
 
     def run(rid: str) -> None:
         with httpx.Client(base_url=dp2_server.base_url, timeout=120) as c:
-            results[rid] = stream_events(c, "/generate", {
-                "text": f"abort {rid}", "rid": rid, "stream": True,
-                "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+            results[rid] = stream_events(
+                c,
+                "/generate",
+                {
+                    "text": f"abort {rid}",
+                    "rid": rid,
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+                },
+            )
 
     def in_flight() -> list[int]:
         states = dp2_client.get("/server_info").json()["internal_states"]
@@ -114,8 +137,9 @@ def test_flush_cache_is_answered_once_for_both_replicas(dp2_server, dp2_client):
 
     def run() -> None:
         with httpx.Client(base_url=dp2_server.base_url, timeout=120) as c:
-            results.append(generate(c, text="busy", rid="busy", sampling_params={"max_new_tokens": 1500,
-                                                                               "ignore_eos": True}))
+            results.append(
+                generate(c, text="busy", rid="busy", sampling_params={"max_new_tokens": 1500, "ignore_eos": True})
+            )
 
     t = threading.Thread(target=run)
     t.start()

@@ -13,14 +13,13 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from server_launcher import ServerHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server_launcher import ServerHandle
 from tandem.tools.default_model import DEFAULT_MODEL_FILE, fetch_default_model
 from tandem.tools.paths import repo_root
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Write one sentence about the sea."]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
 MAX_TOKENS = 40
 
 
@@ -45,8 +44,11 @@ def server(model_file):
 
 
 def chat(server, **body) -> dict:
-    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
-                   json={"model": DEFAULT_MODEL_FILE, "temperature": 0, "max_tokens": MAX_TOKENS, **body})
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": DEFAULT_MODEL_FILE, "temperature": 0, "max_tokens": MAX_TOKENS, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -55,13 +57,18 @@ def chat(server, **body) -> dict:
 def hf_answer(reference, question: str) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy answer ids without the end-of-turn token)."""
     tokenizer, model = reference
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"]
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    answer = out[0, len(prompt):].tolist()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    answer = out[0, len(prompt) :].tolist()
     if tokenizer.eos_token_id in answer:
-        answer = answer[:answer.index(tokenizer.eos_token_id)]
+        answer = answer[: answer.index(tokenizer.eos_token_id)]
     return prompt, answer
 
 
@@ -69,8 +76,11 @@ def hf_answer(reference, question: str) -> tuple[list[int], list[int]]:
 def test_greedy_chat_equals_transformers_gguf_loader(server, reference, question):
     tokenizer, _ = reference
     prompt, answer = hf_answer(reference, question)
-    generated = httpx.post(server.base_url + "/generate", timeout=120, json={
-        "input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}).json()
+    generated = httpx.post(
+        server.base_url + "/generate",
+        timeout=120,
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}},
+    ).json()
     assert [t for t in generated["output_ids"] if t != tokenizer.eos_token_id] == answer
     reply = chat(server, messages=[{"role": "user", "content": question}])
     assert reply["usage"]["prompt_tokens"] == len(prompt)
@@ -82,26 +92,46 @@ def test_the_capital_of_france_is_paris(server):
     assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
-CITY_SCHEMA = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
-               "required": ["country", "capital"], "additionalProperties": False}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+    "required": ["country", "capital"],
+    "additionalProperties": False,
+}
 
 
 def test_json_schema_answer_parses_and_validates(server):
-    reply = chat(server, max_tokens=64, messages=[{"role": "user", "content": "The capital of France, as JSON."}],
-                 response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    reply = chat(
+        server,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "The capital of France, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}},
+    )
     jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), CITY_SCHEMA)
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
 
 
 def test_required_tool_call_validates_against_its_schema(server):
-    reply = chat(server, max_tokens=64, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-                 tools=[WEATHER_TOOL], tool_choice="required")
+    reply = chat(
+        server,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     [call] = choice["message"]["tool_calls"]

@@ -18,8 +18,8 @@ import time
 
 import httpx
 import pytest
-
 from server_launcher import ServerHandle
+
 from tandem.utils.process import pid_alive
 
 PARAMS = {"max_new_tokens": 12, "temperature": 0}
@@ -97,8 +97,9 @@ def test_logprobs_and_memory_after_early_stream_close(engine):
     long, prompt = 2000, [3, 77, 78, 79, 81]  # ids no other test sends: no cached prefix
     before = _wait_engine_idle(engine)
     assert before["max_total_num_tokens"] - before["evictable_cached_slots"] > long + len(prompt)  # no eviction
-    stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": long, "ignore_eos": True},
-                             stream=True)
+    stream = engine.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": long, "ignore_eos": True}, stream=True
+    )
     next(stream)
     stream.close()  # aborts the request
     info = _wait_engine_idle(engine)
@@ -120,14 +121,19 @@ def _wait_engine_idle(engine, timeout: float = 120.0) -> dict:
 def test_engine_outputs_equal_server_outputs(engine, tiny_llama_dir):
     expected = [o["output_ids"] for o in engine.generate(PROMPTS, PARAMS)]
     with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"]) as server:
-        got = [httpx.post(server.base_url + "/generate", json={"text": p, "sampling_params": PARAMS},
-                          timeout=60).json()["output_ids"] for p in PROMPTS]
+        got = [
+            httpx.post(server.base_url + "/generate", json={"text": p, "sampling_params": PARAMS}, timeout=60).json()[
+                "output_ids"
+            ]
+            for p in PROMPTS
+        ]
     assert got == expected
 
 
 def test_no_process_survives_interpreter_exit_without_shutdown(tiny_llama_dir, tmp_path):
     script = tmp_path / "use_engine.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json
         from tandem import Engine
 
@@ -136,7 +142,8 @@ def test_no_process_survives_interpreter_exit_without_shutdown(tiny_llama_dir, t
             out = engine.generate("hi", {{"max_new_tokens": 3, "temperature": 0}})
             print(json.dumps({{"pids": engine.pids(), "n": len(out["output_ids"])}}), flush=True)
             # exits without engine.shutdown()
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,10 +172,9 @@ def test_update_weights_from_tensor(engine, tiny_llama_dir, tiny_llama_b_dir):
     engine started on B gives: transformers' on B), get_weights_by_name shows B; a
     misshapen or unknown tensor changes nothing; a partial update keeps the rest. Ends
     back on A for the module's other tests."""
+    import hf_reference
     import torch
     from safetensors.torch import load_file
-
-    import hf_reference
 
     prompt, n = [1, 17, 42, 99, 7, 23], 12
     params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
@@ -204,8 +210,8 @@ def test_gguf_engine_and_bad_gguf_paths(engine, tiny_llama_dir, tmp_path):
     """The tiny llama as an F32 GGUF file (its weights exactly; config and tokenizer from
     the metadata) answers as the directory's engine does."""
     import psutil
-
     from gguf_writer import write_gguf
+
     from tandem import Engine
 
     path = write_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "F32")
@@ -247,8 +253,10 @@ def test_a_dead_subprocess_fails_waiting_and_later_calls(tiny_llama_dir):
                 results[name] = e
 
         os.kill(scheduler.pid, 9)
-        waiting = [threading.Thread(target=call, args=("generate", lambda: eng.generate("The cat", PARAMS))),
-                   threading.Thread(target=call, args=("stream", lambda: list(eng.generate("x", PARAMS, stream=True))))]
+        waiting = [
+            threading.Thread(target=call, args=("generate", lambda: eng.generate("The cat", PARAMS))),
+            threading.Thread(target=call, args=("stream", lambda: list(eng.generate("x", PARAMS, stream=True)))),
+        ]
         for t in waiting:
             t.start()
         for t in waiting:

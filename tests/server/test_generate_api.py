@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import hf_reference
 import httpx
 import pytest
-
-import hf_reference
 from http_helpers import generate, stream_events
 from server_launcher import ServerHandle
 
@@ -46,7 +45,7 @@ def test_unicode_prompt_round_trips_without_replacement_chars(client, tiny_llama
     def after_prompt(prompt_ids: list[int], output_ids: list[int]) -> str:
         """The output's text as it reads after the prompt's (what the server sends)."""
         head = tok.decode(prompt_ids, skip_special_tokens=True)
-        return tok.decode(prompt_ids + output_ids, skip_special_tokens=True)[len(head):]
+        return tok.decode(prompt_ids + output_ids, skip_special_tokens=True)[len(head) :]
 
     expected = after_prompt(tok.encode(text), out["output_ids"])
     assert out["text"] == expected
@@ -99,16 +98,20 @@ def test_batch_and_input_ids(client, tiny_llama_dir):
     batch = generate(client, text=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
     assert isinstance(batch, list) and len(batch) == 3
     for p, out in zip(prompts, batch):
-        single = generate(client, input_ids=hf_reference.encode(tiny_llama_dir, p),
-                          sampling_params={**GREEDY, "max_new_tokens": 12})
+        single = generate(
+            client, input_ids=hf_reference.encode(tiny_llama_dir, p), sampling_params={**GREEDY, "max_new_tokens": 12}
+        )
         assert out["output_ids"] == single["output_ids"]
 
 
 def test_sampling_seed_is_reproducible_across_batches(client):
     params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16, "sampling_seed": 1234, "ignore_eos": True}
     alone = generate(client, text="Seeded sampling", sampling_params=params)
-    batch = generate(client, text=["Seeded sampling", "something else", "and more"],
-                     sampling_params=[params, {"temperature": 1.0, "max_new_tokens": 16}, {"max_new_tokens": 5}])
+    batch = generate(
+        client,
+        text=["Seeded sampling", "something else", "and more"],
+        sampling_params=[params, {"temperature": 1.0, "max_new_tokens": 16}, {"max_new_tokens": 5}],
+    )
     assert batch[0]["output_ids"] == alone["output_ids"]
     other_seed = generate(client, text="Seeded sampling", sampling_params={**params, "sampling_seed": 99})
     assert other_seed["output_ids"] != alone["output_ids"]
@@ -120,13 +123,16 @@ def test_64_concurrent_requests(server, client):
     expected = [generate(client, text=p, sampling_params=params)["output_ids"] for p in prompts[:8]]
 
     async def run() -> list[dict]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300,
-                                     limits=httpx.Limits(max_connections=100)) as ac:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=300, limits=httpx.Limits(max_connections=100)
+        ) as ac:
+
             async def one(i: int, p: str) -> dict:
                 if i % 2:
                     last = None
-                    async with ac.stream("POST", "/generate", json={"text": p, "sampling_params": params,
-                                                                   "stream": True}) as r:
+                    async with ac.stream(
+                        "POST", "/generate", json={"text": p, "sampling_params": params, "stream": True}
+                    ) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: ") and line != "data: [DONE]":
                                 last = json.loads(line[6:])
@@ -145,19 +151,22 @@ def test_64_concurrent_requests(server, client):
             assert out["output_ids"] == expected[i]
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"text": "x", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
-    ({"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
-    ({"text": "x", "input_ids": [1, 2]}, "input_ids"),
-    ({"input_ids": [10**9]}, "input_ids"),
-    ({"text": 5}, "text"),
-    ({"text": "x", "stream": "yes"}, "stream"),
-    ({"text": "word " * 5000}, "context length"),
-    # SGLang's wording, which its clients match on (the tiny model's context is 2048).
-    ({"input_ids": [5] * 2048}, "The input (2048 tokens) is longer than the model's context length (2048 tokens)."),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+        ({"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"text": "x", "input_ids": [1, 2]}, "input_ids"),
+        ({"input_ids": [10**9]}, "input_ids"),
+        ({"text": 5}, "text"),
+        ({"text": "x", "stream": "yes"}, "stream"),
+        ({"text": "word " * 5000}, "context length"),
+        # SGLang's wording, which its clients match on (the tiny model's context is 2048).
+        ({"input_ids": [5] * 2048}, "The input (2048 tokens) is longer than the model's context length (2048 tokens)."),
+    ],
+)
 def test_bad_input_gets_400_naming_the_field(client, body, field):
     r = client.post("/generate", json=body)
     assert r.status_code == 400, r.text

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from gguf_writer import write_gguf
+
 from tandem.utils.process import free_port
 
 START_TIMEOUT_S = 120
@@ -19,9 +19,22 @@ START_TIMEOUT_S = 120
 
 def launch(model_path, *extra) -> tuple[int, str]:
     """(exit code, combined output) of a server start that must fail."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.launch_server", "--model-path", str(model_path),
-                             "--port", str(free_port()), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.launch_server",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(free_port()),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=START_TIMEOUT_S)
     finally:

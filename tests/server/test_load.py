@@ -9,7 +9,6 @@ import json
 import random
 
 import httpx
-
 from http_helpers import DUPLICATE_RID, assert_memory_idle
 
 NUM_CLIENTS = 250
@@ -40,8 +39,11 @@ async def _stream(ac: httpx.AsyncClient, body: dict, leave_after: int | None) ->
 async def _client(ac: httpx.AsyncClient, i: int, rng: random.Random) -> list[tuple[dict, dict | None]]:
     """One client: its request bodies and their last chunks (None for the one it left)."""
     max_new = rng.randint(4, 16)
-    body = {"text": f"load test prompt {i} " * rng.randint(1, 4), "stream": True,
-            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0}}
+    body = {
+        "text": f"load test prompt {i} " * rng.randint(1, 4),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0},
+    }
     if i % 5:
         return [(body, await _stream(ac, body, None))]
     body["rid"] = f"load-{i}"

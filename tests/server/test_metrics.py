@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_launcher import ServerHandle
 
 LONG_TEXT = "hello " * 500  # 3000 characters: --log-requests-level 2 cuts it to 2048
@@ -20,8 +19,10 @@ LONG_TEXT = "hello " * 500  # 3000 characters: --log-requests-level 2 cuts it to
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-worker", "two-workers"])
 def metrics_server(request, tiny_llama_dir):
     workers = request.param
-    with ServerHandle(tiny_llama_dir, ["--enable-metrics", "--log-requests", "--log-level", "info",
-                                       "--tokenizer-worker-num", str(workers)]) as handle:
+    with ServerHandle(
+        tiny_llama_dir,
+        ["--enable-metrics", "--log-requests", "--log-level", "info", "--tokenizer-worker-num", str(workers)],
+    ) as handle:
         handle.workers = workers
         deadline = time.monotonic() + 60  # ready when one worker is: wait for every worker's warm-up
         while total(scrape(handle.base_url), "sglang:num_requests_total") < workers:
@@ -35,8 +36,11 @@ def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:
     that under several workers any of them may answer)."""
     r = httpx.get(base_url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
 
 
 def total(samples: dict, name: str, **labels: str) -> float:
@@ -66,16 +70,31 @@ def test_counters_and_histograms_match_what_was_sent(metrics_server):
     url = metrics_server.base_url
     before = scrape(url)
     # (final meta_info, tokens in the first chunk, streamed) of each request sent.
-    probe = httpx.post(url + "/generate", timeout=60, json={  # its token: a greedy stop below
-        "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
+    probe = httpx.post(
+        url + "/generate",
+        timeout=60,
+        json={  # its token: a greedy stop below
+            "text": "The quick brown fox",
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        },
+    ).json()
     first_token = probe["output_ids"][0]
     runs = [(probe["meta_info"], 1, False)]
-    runs += [(*generate(url, f"len-{i}", {"max_new_tokens": 5, "ignore_eos": True}, stream=False), False)
-             for i in range(3)]
-    runs += [(*generate(url, f"stop-{i}", {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first_token]},
-                        stream=True), True) for i in range(2)]
-    runs += [(*generate(url, f"stream-{i}", {"max_new_tokens": 6, "ignore_eos": True}, stream=True), True)
-             for i in range(2)]
+    runs += [
+        (*generate(url, f"len-{i}", {"max_new_tokens": 5, "ignore_eos": True}, stream=False), False) for i in range(3)
+    ]
+    runs += [
+        (
+            *generate(
+                url, f"stop-{i}", {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first_token]}, stream=True
+            ),
+            True,
+        )
+        for i in range(2)
+    ]
+    runs += [
+        (*generate(url, f"stream-{i}", {"max_new_tokens": 6, "ignore_eos": True}, stream=True), True) for i in range(2)
+    ]
     after = scrape(url)
 
     def delta(name: str, **labels: str) -> float:
@@ -89,9 +108,14 @@ def test_counters_and_histograms_match_what_was_sent(metrics_server):
     assert delta("sglang:generation_tokens_total") == sum(m["completion_tokens"] for m, *_ in runs)
     for reason in ("stop", "length"):
         assert delta("tandem:finished_requests_total", finish_reason=reason) == sum(
-            m["finish_reason"]["type"] == reason for m, *_ in runs)
-    for name in ("sglang:e2e_request_latency_seconds", "sglang:time_to_first_token_seconds",
-                 "sglang:prompt_tokens_histogram", "sglang:generation_tokens_histogram"):
+            m["finish_reason"]["type"] == reason for m, *_ in runs
+        )
+    for name in (
+        "sglang:e2e_request_latency_seconds",
+        "sglang:time_to_first_token_seconds",
+        "sglang:prompt_tokens_histogram",
+        "sglang:generation_tokens_histogram",
+    ):
         assert delta(name + "_count") == n, name
         assert delta(name + "_bucket", le="+Inf") == n, name
     # Streamed requests: one inter-token observation per token after the server's first
@@ -111,15 +135,20 @@ def test_counters_and_histograms_match_what_was_sent(metrics_server):
 
 def test_log_requests_logs_each_request_truncated(metrics_server):
     url = metrics_server.base_url
-    r = httpx.post(url + "/generate", timeout=60, json={"text": LONG_TEXT,
-                                                      "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(url + "/generate", timeout=60, json={"text": LONG_TEXT, "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200
     log = metrics_server.log_path.read_text()
     for rid in ("len-0", "stop-1", "stream-0"):
-        assert sum("Receive: obj=GenerateReqInput(" in line and f"rid='{rid}'" in line
-                   for line in log.splitlines()) == 1, rid
-        assert sum("Finish: obj=" in line and f"rid='{rid}'" in line and "'finish_reason':" in line
-                   for line in log.splitlines()) == 1, rid
+        assert (
+            sum("Receive: obj=GenerateReqInput(" in line and f"rid='{rid}'" in line for line in log.splitlines()) == 1
+        ), rid
+        assert (
+            sum(
+                "Finish: obj=" in line and f"rid='{rid}'" in line and "'finish_reason':" in line
+                for line in log.splitlines()
+            )
+            == 1
+        ), rid
     assert "hello " * 150 in log and LONG_TEXT not in log
 
 

@@ -13,9 +13,9 @@ import time
 import httpx
 import psutil
 import pytest
-
 from http_helpers import generate
 from server_launcher import ServerHandle
+
 from tandem.utils.process import free_port, pid_alive
 
 PROMPTS = ["Hello", "Once upon a time, in a land far away, there lived", "1 2 3 4 5"]
@@ -33,8 +33,9 @@ def nodes(tiny_llama_dir):
 
 
 def _tandem_children(pid: int) -> set[str]:
-    return {p.cmdline()[0] for p in psutil.Process(pid).children(recursive=True)
-            if p.cmdline()[0].startswith("tandem::")}
+    return {
+        p.cmdline()[0] for p in psutil.Process(pid).children(recursive=True) if p.cmdline()[0].startswith("tandem::")
+    }
 
 
 def test_each_node_runs_its_share(nodes):

@@ -8,10 +8,9 @@ import json
 import threading
 import time
 
+import hf_reference
 import httpx
 import torch
-
-import hf_reference
 from http_helpers import assert_memory_idle, generate, wait_idle
 from server_launcher import ServerHandle
 
@@ -20,8 +19,15 @@ GREEDY = {"temperature": 0}
 
 def test_logprobs_match_transformers(client, tiny_llama_dir):
     prompt = "The little robot walked into the garden and"
-    out = generate(client, text=prompt, return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
-                   return_text_in_logprobs=True, sampling_params={**GREEDY, "max_new_tokens": 8})
+    out = generate(
+        client,
+        text=prompt,
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+        sampling_params={**GREEDY, "max_new_tokens": 8},
+    )
     meta = out["meta_info"]
     ids = hf_reference.encode(tiny_llama_dir, prompt)
     full = ids + out["output_ids"]
@@ -52,12 +58,23 @@ def test_logprobs_are_of_the_unscaled_distribution(client):
     hot = generate(client, text="Logprob check", return_logprob=True, sampling_params=params)
     ids = hot["output_ids"]
     # Score the same tokens again with temperature 1 by prefilling them as input.
-    prompt_ids = generate(client, text="Logprob check", return_logprob=True, logprob_start_len=0,
-                          sampling_params={"max_new_tokens": 1, **GREEDY})["meta_info"]["input_token_logprobs"]
-    scored = generate(client, input_ids=[p[1] for p in prompt_ids] + ids, return_logprob=True,
-                      logprob_start_len=len(prompt_ids), sampling_params={"max_new_tokens": 1, **GREEDY})
-    for (lp, _, _), (ref, _, _) in zip(hot["meta_info"]["output_token_logprobs"],
-                                       scored["meta_info"]["input_token_logprobs"]):
+    prompt_ids = generate(
+        client,
+        text="Logprob check",
+        return_logprob=True,
+        logprob_start_len=0,
+        sampling_params={"max_new_tokens": 1, **GREEDY},
+    )["meta_info"]["input_token_logprobs"]
+    scored = generate(
+        client,
+        input_ids=[p[1] for p in prompt_ids] + ids,
+        return_logprob=True,
+        logprob_start_len=len(prompt_ids),
+        sampling_params={"max_new_tokens": 1, **GREEDY},
+    )
+    for (lp, _, _), (ref, _, _) in zip(
+        hot["meta_info"]["output_token_logprobs"], scored["meta_info"]["input_token_logprobs"]
+    ):
         assert abs(lp - ref) < 1e-4
 
 
@@ -127,8 +144,12 @@ def _tokens_run_by_the_aborted_request(client: httpx.Client) -> int:
 
 def test_abort_one_request_by_rid(server, client):
     results: list = []
-    body = {"text": "abort me", "rid": "to-abort", "stream": True,
-            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    body = {
+        "text": "abort me",
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True},
+    }
     t = _stream_in_thread(server.base_url, body, results)
     _wait_running(client, 1)
     assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
@@ -140,8 +161,14 @@ def test_abort_one_request_by_rid(server, client):
 
 def test_abort_all(server, client):
     results: list = []
-    threads = [_stream_in_thread(server.base_url, {"text": f"long {i}", "stream": True,
-               "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}, results) for i in range(4)]
+    threads = [
+        _stream_in_thread(
+            server.base_url,
+            {"text": f"long {i}", "stream": True, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}},
+            results,
+        )
+        for i in range(4)
+    ]
     _wait_running(client, 4)
     assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
     for t in threads:
@@ -160,9 +187,15 @@ def test_client_disconnect_aborts(server, client):
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac:
-            async with ac.stream("POST", "/generate", json={
-                    "input_ids": PROMPT_IDS, "stream": True,
-                    "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}) as r:
+            async with ac.stream(
+                "POST",
+                "/generate",
+                json={
+                    "input_ids": PROMPT_IDS,
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True},
+                },
+            ) as r:
                 n = 0
                 async for line in r.aiter_lines():
                     n += line.startswith("data: ")
@@ -180,8 +213,10 @@ def test_non_streaming_disconnect_aborts(server, client):
     body = {"input_ids": PROMPT_IDS, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
 
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac, \
-                httpx.AsyncClient(base_url=server.base_url, timeout=120) as impatient:
+        async with (
+            httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac,
+            httpx.AsyncClient(base_url=server.base_url, timeout=120) as impatient,
+        ):
             task = asyncio.create_task(impatient.post("/generate", json=body))
             # Until the request runs and holds its prompt and 16 outputs.
             while not _running((await ac.get("/server_info")).json(), 1, len(PROMPT_IDS) + 16):
@@ -217,10 +252,22 @@ def test_abort_by_parent_rid_stops_every_sample_only(server, client):
     async def run() -> list[dict]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
             long = {"max_new_tokens": 1500, "ignore_eos": True}
-            group = asyncio.create_task(ac.post("/generate", json={
-                "text": "group", "rid": "grp", "sampling_params": {**long, "n": 2, "temperature": 1.0}}))
-            bystander = asyncio.create_task(ac.post("/generate", json={
-                "text": "bystander", "rid": "grp-x", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}))
+            group = asyncio.create_task(
+                ac.post(
+                    "/generate",
+                    json={"text": "group", "rid": "grp", "sampling_params": {**long, "n": 2, "temperature": 1.0}},
+                )
+            )
+            bystander = asyncio.create_task(
+                ac.post(
+                    "/generate",
+                    json={
+                        "text": "bystander",
+                        "rid": "grp-x",
+                        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                    },
+                )
+            )
             while (await ac.get("/server_info")).json()["num_running_reqs"] < 3:
                 await asyncio.sleep(0.05)
             assert (await ac.post("/abort_request", json={"rid": "grp"})).status_code == 200

@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from server_launcher import ServerHandle
 
 MODEL = "tiny"
@@ -18,8 +17,9 @@ PROMPT = "Once upon a time, there was a little boat"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--served-model-name", MODEL,
-                                                  "--context-length", str(CONTEXT)]) as handle:
+    with ServerHandle(
+        tiny_llama_dir, extra_args=["--served-model-name", MODEL, "--context-length", str(CONTEXT)]
+    ) as handle:
         yield handle
 
 
@@ -36,8 +36,14 @@ def tokenizer(tiny_llama_dir):
 
 
 def _generate(server, input_ids: list[int], max_new_tokens: int, **params) -> dict:
-    r = httpx.post(server.base_url + "/generate", timeout=60, json={
-        "input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params}})
+    r = httpx.post(
+        server.base_url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **params},
+        },
+    )
     r.raise_for_status()
     return r.json()
 
@@ -73,8 +79,9 @@ def test_chat_stream_matches_non_stream(client):
 
 
 def test_chat_default_max_tokens_fills_context(client):
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.total_tokens == CONTEXT
 
@@ -99,15 +106,24 @@ def test_completions_match_generate(server, client, tokenizer):
     assert not echo_text.startswith(tokenizer.bos_token)
     echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True)
     assert echoed.choices[0].text == echo_text + native["text"]
-    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, echo=True, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == echo_text + native["text"]
 
 
 def test_completions_stream(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     body = chunks[:-1]
     assert "".join(c.choices[0].text for c in body) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == ["length"]
@@ -116,9 +132,9 @@ def test_completions_stream(client):
 
 def test_stop_string(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
-    assert resp.choices[0].text == full[:full.index(stop)]
+    assert resp.choices[0].text == full[: full.index(stop)]
     assert resp.choices[0].finish_reason == "stop"
 
 
@@ -135,8 +151,9 @@ def test_n2(client):
 
 
 def test_logprobs(client):
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     assert resp.choices[0].logprobs is not None, "logprobs=True gave no logprobs"
     content = resp.choices[0].logprobs.content
     assert content and len(content) == resp.usage.completion_tokens
@@ -180,20 +197,26 @@ def test_tokenize_messages_gives_the_chat_prompt(server, client, tokenizer):
     assert bad.status_code == 400, bad.text
 
 
-@pytest.mark.parametrize("kwargs,param,text", [
-    ({"temperature": -1}, "temperature", "temperature"),
-    ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role", "'role' must be one of"),
-    ({"frequency_penalty": 3.0}, "frequency_penalty", "frequency_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
-    ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens"),
-    # A feature Tandem lacks is refused by name, as on /generate, never silently ignored.
-    ({"extra_body": {"stop_regex": "and|or"}}, "stop_regex", "stop_regex"),
-    # SGLang's wording, which clients and SGLang's tests match on.
-    ({"max_tokens": 1000}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
-    ({"messages": [{"role": "user", "content": "sea " * 300}]}, "messages",
-     "is longer than the model's context length"),
-    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param,text",
+    [
+        ({"temperature": -1}, "temperature", "temperature"),
+        ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role", "'role' must be one of"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty", "frequency_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+        ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens"),
+        # A feature Tandem lacks is refused by name, as on /generate, never silently ignored.
+        ({"extra_body": {"stop_regex": "and|or"}}, "stop_regex", "stop_regex"),
+        # SGLang's wording, which clients and SGLang's tests match on.
+        ({"max_tokens": 1000}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
+        (
+            {"messages": [{"role": "user", "content": "sea " * 300}]},
+            "messages",
+            "is longer than the model's context length",
+        ),
+        ({"top_logprobs": 3}, "top_logprobs", "top_logprobs"),
+    ],
+)
 def test_bad_requests_are_400(client, kwargs, param, text):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as e:
@@ -224,8 +247,17 @@ def test_errors_and_still_serving(server, client):
 def test_api_key_and_skip_tokenizer_init(tiny_llama_dir):
     """A second server, with --api-key and without a tokenizer: 401 without the key,
     400 for text prompts, token-id prompts work."""
-    with ServerHandle(tiny_llama_dir, extra_args=["--served-model-name", MODEL, "--api-key", "sekret",
-                                                  "--skip-tokenizer-init", "--skip-server-warmup"]) as srv:
+    with ServerHandle(
+        tiny_llama_dir,
+        extra_args=[
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            "sekret",
+            "--skip-tokenizer-init",
+            "--skip-server-warmup",
+        ],
+    ) as srv:
         assert httpx.get(srv.base_url + "/health").status_code == 200
         r = httpx.get(srv.base_url + "/v1/models")
         assert r.status_code == 401 and r.json()["object"] == "error"

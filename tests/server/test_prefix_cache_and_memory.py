@@ -8,15 +8,25 @@ import asyncio
 
 import httpx
 import pytest
-
 from http_helpers import assert_memory_idle
 from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
-SYSTEM = ("You are a helpful assistant who answers questions about the weather, the sea, "
-          "and small animals in a friendly and careful way. ")
-PROMPTS = [SYSTEM + q for q in ["What is rain?", "Why is the sea salty?", "Do cats like boats?",
-                                "Tell me about clouds.", "What do rabbits eat?", "Is fog cold?"]]
+SYSTEM = (
+    "You are a helpful assistant who answers questions about the weather, the sea, "
+    "and small animals in a friendly and careful way. "
+)
+PROMPTS = [
+    SYSTEM + q
+    for q in [
+        "What is rain?",
+        "Why is the sea salty?",
+        "Do cats like boats?",
+        "Tell me about clouds.",
+        "What do rabbits eat?",
+        "Is fog cold?",
+    ]
+]
 PROMPTS += ["A completely different prompt with no shared prefix at all.", SYSTEM]
 
 
@@ -69,8 +79,12 @@ def test_flush_refused_while_running(reference):
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
-            long = asyncio.create_task(client.post("/generate", json={
-                "text": "keep going", "sampling_params": {"max_new_tokens": 1800, "ignore_eos": True}}))
+            long = asyncio.create_task(
+                client.post(
+                    "/generate",
+                    json={"text": "keep going", "sampling_params": {"max_new_tokens": 1800, "ignore_eos": True}},
+                )
+            )
             while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.05)
             flush = await client.post("/flush_cache")
@@ -101,10 +115,12 @@ def test_prompt_longer_than_the_pool_is_refused(tiny_llama_dir):
 
 
 def test_max_queued_requests_gives_503(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-running-requests", "1",
-                                                  "--max-queued-requests", "1"]) as server:
-        bodies = [{"text": f"queue {i}", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
-                  for i in range(5)]
+    with ServerHandle(
+        tiny_llama_dir, extra_args=["--skip-server-warmup", "--max-running-requests", "1", "--max-queued-requests", "1"]
+    ) as server:
+        bodies = [
+            {"text": f"queue {i}", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}} for i in range(5)
+        ]
         responses = asyncio.run(_concurrent(server.base_url, bodies))
         codes = sorted(r.status_code for r in responses)
         assert 503 in codes and 200 in codes
@@ -114,10 +130,12 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
 
         async def streamed() -> list[int]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+
                 async def one(i: int) -> int:
                     async with client.stream("POST", "/generate", json={**bodies[i], "stream": True}) as r:
                         await r.aread()
                         return r.status_code
+
                 return await asyncio.gather(*[one(i) for i in range(5)])
 
         codes = asyncio.run(streamed())
@@ -127,14 +145,24 @@ def test_max_queued_requests_gives_503(tiny_llama_dir):
         # The OpenAI routes answer a refusal with 503 in OpenAI's error shape, streamed or not.
         async def openai_routes(stream: bool) -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+
                 async def one(i: int) -> httpx.Response:
-                    route, body = (("/v1/completions", {"prompt": f"queue {i}"}) if i % 2 else
-                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"q {i}"}]}))
-                    body = {**body, "model": str(tiny_llama_dir), "max_tokens": 200, "ignore_eos": True,
-                            "stream": stream}
+                    route, body = (
+                        ("/v1/completions", {"prompt": f"queue {i}"})
+                        if i % 2
+                        else ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"q {i}"}]})
+                    )
+                    body = {
+                        **body,
+                        "model": str(tiny_llama_dir),
+                        "max_tokens": 200,
+                        "ignore_eos": True,
+                        "stream": stream,
+                    }
                     async with client.stream("POST", route, json=body) as r:
                         await r.aread()
                         return r
+
                 return await asyncio.gather(*[one(i) for i in range(6)])
 
         for stream in (False, True):

@@ -18,8 +18,8 @@ import time
 import httpx
 import psutil
 import pytest
-
 from server_launcher import ServerHandle
+
 from tandem.entrypoints.health import RECENT_PROGRESS_S
 from tandem.scheduler.forward_watchdog import TEST_FORWARD_SLEEP_LOG
 from tandem.utils.ipc_dirs import remove_stale_ipc_dirs
@@ -83,8 +83,9 @@ class _Stream(threading.Thread):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_when_idle_exits_0_and_leaves_nothing(tiny_llama_dir, sig):
-    server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup",
-                                                      "--graceful-shutdown-timeout", str(IDLE_GRACE_S)])
+    server = ServerHandle(
+        tiny_llama_dir, extra_args=["--skip-server-warmup", "--graceful-shutdown-timeout", str(IDLE_GRACE_S)]
+    )
     try:
         assert psutil.Process(server.proc.pid).name() == "tandem::server"
         assert "tandem.launch_server" in " ".join(psutil.Process(server.proc.pid).cmdline())
@@ -105,8 +106,11 @@ def test_sigterm_drains_running_requests_then_aborts_the_rest(tiny_llama_dir):
     """Each forward sleeps 20 ms (test hook). A 1000-token request cannot finish within the
     10 s grace period whatever the machine (its sleeps alone take 20 s); a 20-token one
     (0.4 s of sleeps, a second or two on a loaded machine) does."""
-    server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--graceful-shutdown-timeout", "10"],
-                         env={"TANDEM_TEST_FORWARD_SLEEP_S": "0.02"})
+    server = ServerHandle(
+        tiny_llama_dir,
+        extra_args=["--skip-server-warmup", "--graceful-shutdown-timeout", "10"],
+        env={"TANDEM_TEST_FORWARD_SLEEP_S": "0.02"},
+    )
     try:
         [ipc_dir] = server.ipc_dirs()
         params = {"temperature": 0, "ignore_eos": True}
@@ -122,8 +126,12 @@ def test_sigterm_drains_running_requests_then_aborts_the_rest(tiny_llama_dir):
         refused = httpx.post(server.base_url + "/generate", json={"text": "new", "sampling_params": params})
         assert refused.status_code == 503 and refused.json()["error"]["message"] == SHUTTING_DOWN
         assert httpx.get(server.base_url + "/health_generate").status_code == 503
-        assert httpx.post(server.base_url + "/v1/completions",
-                          json={"model": str(tiny_llama_dir), "prompt": "x"}).status_code == 503
+        assert (
+            httpx.post(
+                server.base_url + "/v1/completions", json={"model": str(tiny_llama_dir), "prompt": "x"}
+            ).status_code
+            == 503
+        )
         assert short.finish_reason() == {"type": "length", "length": 20}
         aborted = long.finish_reason()
         assert aborted["type"] == "abort" and SHUTTING_DOWN in aborted["message"], aborted
@@ -149,8 +157,11 @@ def test_child_death_takes_the_server_down(tiny_llama_dir):
 def test_stuck_forward_fails_health_then_the_watchdog_takes_the_server_down(tiny_llama_dir):
     """Every forward sleeps 60 s (test hook); --watchdog-timeout 4. The scheduler is frozen
     (SIGSTOP) mid-forward so that /health is seen answering 503 before its watchdog acts."""
-    server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--watchdog-timeout", "4"],
-                          env={"TANDEM_TEST_FORWARD_SLEEP_S": "60"})
+    server = ServerHandle(
+        tiny_llama_dir,
+        extra_args=["--skip-server-warmup", "--watchdog-timeout", "4"],
+        env={"TANDEM_TEST_FORWARD_SLEEP_S": "60"},
+    )
     try:
         [ipc_dir] = server.ipc_dirs()
         scheduler = _children(server)["tandem::scheduler_TP0"]
@@ -181,9 +192,12 @@ def test_stuck_forward_fails_health_then_the_watchdog_takes_the_server_down(tiny
 def test_killpg_on_scheduler_exception_kills_the_group(tiny_llama_dir):
     """TANDEM_KILLPG_ON_SCHEDULER_EXCEPTION=1: the failing scheduler SIGKILLs its whole
     process group; the ipc directory it leaves is removed by the next start-up's sweep."""
-    server = ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup", "--watchdog-timeout", "1"],
-                          env={"TANDEM_TEST_FORWARD_SLEEP_S": "60", "TANDEM_KILLPG_ON_SCHEDULER_EXCEPTION": "1"},
-                          new_session=True)
+    server = ServerHandle(
+        tiny_llama_dir,
+        extra_args=["--skip-server-warmup", "--watchdog-timeout", "1"],
+        env={"TANDEM_TEST_FORWARD_SLEEP_S": "60", "TANDEM_KILLPG_ON_SCHEDULER_EXCEPTION": "1"},
+        new_session=True,
+    )
     try:
         [ipc_dir] = server.ipc_dirs()
         _Stream(server.base_url, {"text": "stuck", "sampling_params": {"max_new_tokens": 2}})
@@ -197,8 +211,9 @@ def test_killpg_on_scheduler_exception_kills_the_group(tiny_llama_dir):
 
 
 def test_health_generate_answers_from_progress_or_a_probe(tiny_llama_dir):
-    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"],
-                      env={"TANDEM_HEALTH_CHECK_TIMEOUT": "2"}) as server:
+    with ServerHandle(
+        tiny_llama_dir, extra_args=["--skip-server-warmup"], env={"TANDEM_HEALTH_CHECK_TIMEOUT": "2"}
+    ) as server:
         assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
         spawned = list(_children(server).values())
         for p in spawned:

@@ -32,13 +32,21 @@ from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.tools.default_model import fetch_default_model
 from tandem.tools.paths import repo_root
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
-                                reason="Tandem's C++ CPU kernels are not built (no compiler): no quantized kernel")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="Tandem's C++ CPU kernels are not built (no compiler): no quantized kernel"
+)
 
 TEXT = Path(__file__).parent.parent / "data" / "pride_and_prejudice_ch1.txt"
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea.",
-             "Give me a short tip for learning to cook.", "Explain what a prime number is.", "Why is the sky blue?",
-             "What is the largest planet in the solar system?", "How do plants make their food?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "Give me a short tip for learning to cook.",
+    "Explain what a prime number is.",
+    "Why is the sky blue?",
+    "What is the largest planet in the solar system?",
+    "How do plants make their food?",
+]
 MAX_TOKENS = 32
 GREEDY = {"max_new_tokens": MAX_TOKENS, "temperature": 0}
 ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0}
@@ -73,8 +81,9 @@ def engines(request, model_file):
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the subprocesses as they start
     try:
-        quantized = Engine(**common, linear_backend="auto", chunked_prefill_size=QUANT_MAX_ROWS,
-                           max_running_requests=QUANT_MAX_ROWS)
+        quantized = Engine(
+            **common, linear_backend="auto", chunked_prefill_size=QUANT_MAX_ROWS, max_running_requests=QUANT_MAX_ROWS
+        )
         try:
             dequantized = Engine(**common, linear_backend="torch")
         except BaseException:
@@ -90,8 +99,14 @@ def engines(request, model_file):
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in QUESTIONS
+    ]
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:
@@ -126,8 +141,10 @@ def test_greedy_tokens_agree(engines, tokenizer):
     whole = sum(g == w for g, w in zip(got, want))
     total = sum(len(w) for w in want)
     first, min_whole, min_share = GREEDY_BOUNDS[dtype]
-    report = (f"{dtype}: leading runs equal {lead} of {[len(w) for w in want]} tokens "
-              f"({sum(lead)} of {total}), {whole} answers equal")
+    report = (
+        f"{dtype}: leading runs equal {lead} of {[len(w) for w in want]} tokens "
+        f"({sum(lead)} of {total}), {whole} answers equal"
+    )
     print(report)
     assert all(n >= min(first, len(w)) for n, w in zip(lead, want)), report
     assert whole >= min_whole, report
@@ -147,8 +164,12 @@ def test_perplexity_within_one_percent(engines, tokenizer):
 
     stride = QUANT_MAX_ROWS - 1  # tokens scored per request: one more position is computed
     starts = list(range(1, len(ids), stride))
-    outs = quantized.generate(input_ids=[ids[:s + stride] for s in starts], sampling_params=ONE_TOKEN,
-                              return_logprob=True, logprob_start_len=starts)
+    outs = quantized.generate(
+        input_ids=[ids[: s + stride] for s in starts],
+        sampling_params=ONE_TOKEN,
+        return_logprob=True,
+        logprob_start_len=starts,
+    )
     got = []
     for s, out in zip(starts, outs):
         meta = out["meta_info"]
@@ -158,8 +179,7 @@ def test_perplexity_within_one_percent(engines, tokenizer):
     assert len(got) == len(want) == len(ids) - 1
 
     ppl_got, ppl_want = (math.exp(-sum(lps) / len(lps)) for lps in (got, want))
-    report = (f"{dtype}: perplexity quantized {ppl_got:.5f}, dequantized {ppl_want:.5f} "
-              f"({ppl_got / ppl_want - 1:+.2e})")
+    report = f"{dtype}: perplexity quantized {ppl_got:.5f}, dequantized {ppl_want:.5f} ({ppl_got / ppl_want - 1:+.2e})"
     print(report)
     assert ppl_want < 30, report  # natural English, which the model reads well
     assert abs(ppl_got / ppl_want - 1) < PERPLEXITY_BOUNDS[dtype], report

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-
 from http_helpers import DUPLICATE_RID, assert_memory_idle
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
@@ -27,15 +26,26 @@ def test_reused_rid_never_gets_the_old_requests_abort(server, client):
         answers = []
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac:
             for _ in range(10):
-                async with ac.stream("POST", "/generate", json={
-                        "text": "reused rid", "rid": "reused", "stream": True, "sampling_params": LONG}) as r:
+                async with ac.stream(
+                    "POST",
+                    "/generate",
+                    json={"text": "reused rid", "rid": "reused", "stream": True, "sampling_params": LONG},
+                ) as r:
                     chunks = 0
                     async for line in r.aiter_lines():
                         chunks += line.startswith("data: ")
                         if chunks >= 2:
                             break  # disconnect mid-stream
-                answers.append(await _post_until_admitted(ac, {
-                    "text": "reused rid", "rid": "reused", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
+                answers.append(
+                    await _post_until_admitted(
+                        ac,
+                        {
+                            "text": "reused rid",
+                            "rid": "reused",
+                            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                        },
+                    )
+                )
         return answers
 
     for r in asyncio.run(run()):
@@ -49,7 +59,9 @@ def test_reused_rid_never_gets_the_old_requests_abort(server, client):
 def test_rid_of_a_running_request_is_refused_and_abort_by_rid_stops_it(server, client):
     async def run() -> tuple[httpx.Response, dict]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as ac:
-            first = asyncio.create_task(ac.post("/generate", json={"text": "first", "rid": "busy", "sampling_params": LONG}))
+            first = asyncio.create_task(
+                ac.post("/generate", json={"text": "first", "rid": "busy", "sampling_params": LONG})
+            )
             while (await ac.get("/server_info")).json()["num_running_reqs"] < 1:
                 await asyncio.sleep(0.02)
             second = await ac.post("/generate", json={"text": "second", "rid": "busy"})

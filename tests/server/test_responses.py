@@ -21,8 +21,14 @@ def _chat_text(oai, max_tokens: int) -> str:
 
 
 def test_responses_create_matches_chat(oai):
-    resp = oai.responses.create(model="default", instructions="Be brief.", input="Tell me a story.",
-                                max_output_tokens=6, temperature=0, metadata={"k": "v"})
+    resp = oai.responses.create(
+        model="default",
+        instructions="Be brief.",
+        input="Tell me a story.",
+        max_output_tokens=6,
+        temperature=0,
+        metadata={"k": "v"},
+    )
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == "default"
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.output_text == _chat_text(oai, 6)
@@ -31,21 +37,37 @@ def test_responses_create_matches_chat(oai):
     assert resp.usage.output_tokens == 6 and resp.usage.total_tokens == resp.usage.input_tokens + 6
     assert resp.metadata == {"k": "v"} and resp.max_output_tokens == 6 and resp.error is None
     # The same conversation as a message list, content as parts.
-    items = [{"role": "system", "content": "Be brief."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}]
+    items = [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]},
+    ]
     again = oai.responses.create(model="default", input=items, max_output_tokens=6, temperature=0)
     assert again.output_text == resp.output_text and again.usage.input_tokens == resp.usage.input_tokens
 
 
 def test_responses_stream_events(oai):
-    with oai.responses.create(model="default", instructions="Be brief.", input="Tell me a story.",
-                              max_output_tokens=6, temperature=0, stream=True) as stream:
+    with oai.responses.create(
+        model="default",
+        instructions="Be brief.",
+        input="Tell me a story.",
+        max_output_tokens=6,
+        temperature=0,
+        stream=True,
+    ) as stream:
         events = list(stream)
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-4].text == _chat_text(oai, 6)
@@ -54,12 +76,13 @@ def test_responses_stream_events(oai):
 
 
 def test_responses_refuses_unsupported_fields(oai):
-    for extra, name in (({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-                        ({"background": True}, "background"), ({"previous_response_id": "resp_1"},
-                                                               "previous_response_id"),
-                        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
-                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-                         "input.0.content")):
+    for extra, name in (
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"background": True}, "background"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content"),
+    ):
         kwargs = {"model": "default", "input": "Hi", **extra}
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(**kwargs)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 
+import hf_reference
 import pytest
 import torch
-
-import hf_reference
 
 LABELS = [5, 17, 300]
 
@@ -22,8 +21,13 @@ def _reference(model_dir, ids: list[int]) -> list[float]:
 
 
 def test_score_text_items_match_transformers(client, tiny_llama_dir):
-    body = {"query": "Once upon a time,", "items": [" there was", " a cat"], "label_token_ids": LABELS,
-            "return_token_logprobs": True, "model": "default"}
+    body = {
+        "query": "Once upon a time,",
+        "items": [" there was", " a cat"],
+        "label_token_ids": LABELS,
+        "return_token_logprobs": True,
+        "model": "default",
+    }
     r = client.post("/v1/score", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -41,8 +45,17 @@ def test_score_text_items_match_transformers(client, tiny_llama_dir):
 
 def test_score_token_ids_softmax_item_first_and_per_item_labels(client, tiny_llama_dir):
     query, items = [1, 40, 41], [[50, 51], [60]]
-    r = client.post("/v1/score", json={"query": query, "items": items, "label_token_ids": LABELS,
-                                       "apply_softmax": True, "temperature": 0.5, "item_first": True})
+    r = client.post(
+        "/v1/score",
+        json={
+            "query": query,
+            "items": items,
+            "label_token_ids": LABELS,
+            "apply_softmax": True,
+            "temperature": 0.5,
+            "item_first": True,
+        },
+    )
     assert r.status_code == 200, r.text
     for scores, item in zip(r.json()["scores"], items):
         ref = torch.tensor(_reference(tiny_llama_dir, item + query))
@@ -55,21 +68,30 @@ def test_score_token_ids_softmax_item_first_and_per_item_labels(client, tiny_lla
     assert r.status_code == 200 and r.json()["scores"] == []
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"query": "a", "items": ["b"]}, "label_token_ids is required for generation (CausalLM) models."),
-    ({"query": "a", "label_token_ids": [1]}, "items must be provided"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [1, 1]}, "label_token_ids must not contain duplicate"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [-1]}, "label_token_ids must contain nonnegative"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [10**6]}, "Token ID 1000000 is out of vocabulary"),
-    ({"query": "a", "items": ["b", "c"], "label_token_ids": [[1]]}, "label_token_ids must have one list per item"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [1], "temperature": 2.0},
-     "temperature requires apply_softmax=True"),
-    ({"query": [1], "items": ["b"], "label_token_ids": [1]}, "Invalid combination of query/items types"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [1], "score_extraction_token": "<s>"},
-     "score_extraction_token: not supported yet"),
-    ({"query": "a", "items": ["b"], "label_token_ids": [1], "return_pooled_hidden_states": True},
-     "return_pooled_hidden_states is not supported for CausalLM models"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"query": "a", "items": ["b"]}, "label_token_ids is required for generation (CausalLM) models."),
+        ({"query": "a", "label_token_ids": [1]}, "items must be provided"),
+        ({"query": "a", "items": ["b"], "label_token_ids": [1, 1]}, "label_token_ids must not contain duplicate"),
+        ({"query": "a", "items": ["b"], "label_token_ids": [-1]}, "label_token_ids must contain nonnegative"),
+        ({"query": "a", "items": ["b"], "label_token_ids": [10**6]}, "Token ID 1000000 is out of vocabulary"),
+        ({"query": "a", "items": ["b", "c"], "label_token_ids": [[1]]}, "label_token_ids must have one list per item"),
+        (
+            {"query": "a", "items": ["b"], "label_token_ids": [1], "temperature": 2.0},
+            "temperature requires apply_softmax=True",
+        ),
+        ({"query": [1], "items": ["b"], "label_token_ids": [1]}, "Invalid combination of query/items types"),
+        (
+            {"query": "a", "items": ["b"], "label_token_ids": [1], "score_extraction_token": "<s>"},
+            "score_extraction_token: not supported yet",
+        ),
+        (
+            {"query": "a", "items": ["b"], "label_token_ids": [1], "return_pooled_hidden_states": True},
+            "return_pooled_hidden_states is not supported for CausalLM models",
+        ),
+    ],
+)
 def test_score_refusals_use_sglang_messages(client, body, message):
     r = client.post("/v1/score", json=body)
     assert r.status_code == 400 and r.json()["message"].startswith(message), r.text

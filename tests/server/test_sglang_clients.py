@@ -105,8 +105,10 @@ def test_bench_serving_control_routes_and_profile_trace(client, tmp_path):
         r = _send(client, req)
         assert r.status_code == 200, (req["path"], r.text)
         if req["path"] == "/start_profile":
-            assert client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
-                               ).status_code == 200
+            assert (
+                client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}}).status_code
+                == 200
+            )
         if req["path"] == "/server_info":
             info = r.json()
             assert isinstance(info["internal_states"], list) and info["internal_states"][0]["num_running_reqs"] == 0
@@ -147,43 +149,70 @@ def test_sglang_information_routes(client, tiny_llama_dir):
 
 
 def test_meta_info_keys_are_sglangs(client):
-    r = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3},
-                                       "return_logprob": True, "stream": True})
+    r = client.post(
+        "/generate",
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "stream": True},
+    )
     chunks = _sse(r)
     assert all("e2e_latency" not in c["meta_info"] for c in chunks[:-1]), "only the finished output has it"
     final = chunks[-1]["meta_info"]
     assert final["num_retractions"] == 0 and "retractions" not in final and final["e2e_latency"] > 0
     assert "output_top_logprobs" not in final and "input_top_logprobs" not in final
     assert len(final["output_token_logprobs"]) == 3
-    r = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2},
-                                       "return_logprob": True, "top_logprobs_num": 2})
+    r = client.post(
+        "/generate",
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True, "top_logprobs_num": 2},
+    )
     meta = r.json()["meta_info"]
     assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2]
 
 
 def test_sglang_fields_accepted_or_named(client):
-    ok = {"text": "Hi", "sampling_params": {"max_new_tokens": 1, "regex": None, "json_schema": "", "ebnf": None,
-                                            "structural_tag": None, "stop_regex": [], "logit_bias": {},
-                                            "custom_params": None, "beam_width": None, "stream_interval": None},
-          "lora_path": None, "image_data": None, "return_hidden_states": False, "session_id": "s1",
-          "priority": 3, "custom_labels": {"a": "b"}, "some_future_field": 1}
+    ok = {
+        "text": "Hi",
+        "sampling_params": {
+            "max_new_tokens": 1,
+            "regex": None,
+            "json_schema": "",
+            "ebnf": None,
+            "structural_tag": None,
+            "stop_regex": [],
+            "logit_bias": {},
+            "custom_params": None,
+            "beam_width": None,
+            "stream_interval": None,
+        },
+        "lora_path": None,
+        "image_data": None,
+        "return_hidden_states": False,
+        "session_id": "s1",
+        "priority": 3,
+        "custom_labels": {"a": "b"},
+        "some_future_field": 1,
+    }
     assert client.post("/generate", json=ok).status_code == 200
-    bad = [({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag: structured output is "
-                                                           "not supported"),
-           ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
-           ({"sampling_params": {"stop_regex": ["x+"]}}, "sampling_params.stop_regex:"),
-           ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense: unknown"),
-           ({"lora_path": "adapter-a"}, "lora_path: LoRA is not supported yet"),
-           ({"image_data": "http://x/y.png"}, "image_data: image input is not supported yet"),
-           ({"return_hidden_states": True}, "return_hidden_states:")]
+    bad = [
+        (
+            {"sampling_params": {"structural_tag": "{}"}},
+            "sampling_params.structural_tag: structured output is not supported",
+        ),
+        ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
+        ({"sampling_params": {"stop_regex": ["x+"]}}, "sampling_params.stop_regex:"),
+        ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense: unknown"),
+        ({"lora_path": "adapter-a"}, "lora_path: LoRA is not supported yet"),
+        ({"image_data": "http://x/y.png"}, "image_data: image input is not supported yet"),
+        ({"return_hidden_states": True}, "return_hidden_states:"),
+    ]
     for extra, message in bad:
         r = client.post("/generate", json={"text": "Hi", **extra})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (extra, r.text)
 
 
 def test_openai_serves_any_model_name(client):
-    r = client.post("/v1/chat/completions", json={"model": "default", "max_tokens": 2,
-                                                  "messages": [{"role": "user", "content": "Hi"}]})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert r.status_code == 200 and r.json()["model"] == "default"
     r = client.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "wizard", "content": "x"}]})
     assert r.status_code == 400 and r.json()["code"] == 400 and "'role' must be one of" in r.json()["message"]

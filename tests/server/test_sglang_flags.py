@@ -7,16 +7,41 @@ from __future__ import annotations
 import shutil
 
 import httpx
-
 from server_launcher import ServerHandle
+
 from tandem.sglang_flags import COMPAT_FLAGS
 
-NO_EFFECT_ARGS = ["--trust-remote-code",
-                  "--enable-cache-report", "--allow-auto-truncate", "--show-time-cost", "--revision", "main"]
-WORKING_ARGS = ["--tp-size", "1", "--dp-size", "1", "--tokenizer-worker-num", "1", "--page-size", "1",
-                "--kv-cache-dtype", "auto", "--attention-backend", "torch_native", "--log-level-http", "warning",
-                "--disable-overlap-schedule", "--log-requests", "--enable-metrics", "--disable-cuda-graph",
-                "--cuda-graph-max-bs", "8", "--enable-torch-compile"]
+NO_EFFECT_ARGS = [
+    "--trust-remote-code",
+    "--enable-cache-report",
+    "--allow-auto-truncate",
+    "--show-time-cost",
+    "--revision",
+    "main",
+]
+WORKING_ARGS = [
+    "--tp-size",
+    "1",
+    "--dp-size",
+    "1",
+    "--tokenizer-worker-num",
+    "1",
+    "--page-size",
+    "1",
+    "--kv-cache-dtype",
+    "auto",
+    "--attention-backend",
+    "torch_native",
+    "--log-level-http",
+    "warning",
+    "--disable-overlap-schedule",
+    "--log-requests",
+    "--enable-metrics",
+    "--disable-cuda-graph",
+    "--cuda-graph-max-bs",
+    "8",
+    "--enable-torch-compile",
+]
 
 
 def test_dummy_weights_and_sglang_flags(tiny_llama_dir, tmp_path):
@@ -24,8 +49,11 @@ def test_dummy_weights_and_sglang_flags(tiny_llama_dir, tmp_path):
     shutil.copytree(tiny_llama_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
     args = ["--load-format", "dummy", "--random-seed", "3", "--log-level", "info", *WORKING_ARGS, *NO_EFFECT_ARGS]
     with ServerHandle(model, args) as server:
-        r = httpx.post(server.base_url + "/generate", timeout=60,
-                       json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        r = httpx.post(
+            server.base_url + "/generate",
+            timeout=60,
+            json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
         assert httpx.get(server.base_url + "/model_info").json()["load_format"] == "dummy"
         info = httpx.get(server.base_url + "/server_info").json()

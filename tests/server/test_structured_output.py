@@ -11,14 +11,18 @@ import re
 import httpx
 import jsonschema
 import pytest
-
 from server_launcher import ServerHandle
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 2}},
-    "required": ["name", "age", "pets"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
 REGEX = r"(yes|no|maybe), [0-9]{2}"
 
 
@@ -30,8 +34,9 @@ def client(tiny_llama_dir):
 
 
 def generate(client, **sampling) -> httpx.Response:
-    return client.post("/generate", json={"text": "Once upon a time", "sampling_params": {
-        "max_new_tokens": 100, **sampling}})
+    return client.post(
+        "/generate", json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 100, **sampling}}
+    )
 
 
 def test_generate_json_schema_regex_ebnf(client):
@@ -46,12 +51,18 @@ def test_generate_json_schema_regex_ebnf(client):
     assert re.fullmatch(r"\[[0-9]\]", r.json()["text"]), r.text
 
 
-@pytest.mark.parametrize("sampling,message", [
-    ({"json_schema": '{"type": "objekt"}'}, 'sampling_params.json_schema: invalid json_schema: Unsupported type "objekt"'),
-    ({"json_schema": "{"}, "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
-    ({"regex": "(a"}, "sampling_params.regex: invalid regex: "),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params: only one of regex, json_schema, or ebnf can be set"),
-])
+@pytest.mark.parametrize(
+    "sampling,message",
+    [
+        (
+            {"json_schema": '{"type": "objekt"}'},
+            'sampling_params.json_schema: invalid json_schema: Unsupported type "objekt"',
+        ),
+        ({"json_schema": "{"}, "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
+        ({"regex": "(a"}, "sampling_params.regex: invalid regex: "),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "sampling_params: only one of regex, json_schema, or ebnf can be set"),
+    ],
+)
 def test_generate_bad_grammar_is_400(client, sampling, message):
     r = generate(client, **sampling)
     assert r.status_code == 400, r.text
@@ -59,12 +70,25 @@ def test_generate_bad_grammar_is_400(client, sampling, message):
 
 
 def test_completions_extras_are_honoured(client):
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 80, "temperature": 0,
-                                              "json_schema": json.dumps(SCHEMA)})
+    r = client.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": "Hi", "max_tokens": 80, "temperature": 0, "json_schema": json.dumps(SCHEMA)},
+    )
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 80, "regex": REGEX,
-                                              "temperature": 1.0, "seed": 3, "n": 2, "stream": True})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": "Hi",
+            "max_tokens": 80,
+            "regex": REGEX,
+            "temperature": 1.0,
+            "seed": 3,
+            "n": 2,
+            "stream": True,
+        },
+    )
     assert r.status_code == 200, r.text
     texts = ["", ""]
     for line in r.text.splitlines():
@@ -79,19 +103,30 @@ def test_completions_extras_are_honoured(client):
 
 
 def chat(client, **fields) -> httpx.Response:
-    return client.post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": "Tell me about a person."}], "max_tokens": 100,
-        **fields})
+    return client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "Tell me about a person."}],
+            "max_tokens": 100,
+            **fields,
+        },
+    )
 
 
 def test_chat_response_format(client):
-    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
-             temperature=0)
+    r = chat(
+        client,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        temperature=0,
+    )
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
     assert r.json()["choices"][0]["finish_reason"] == "stop"
-    for response_format in ({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
-                            {"type": "json_object"}):
+    for response_format in (
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        {"type": "json_object"},
+    ):
         r = chat(client, response_format=response_format, stream=True, temperature=1.0, seed=1)
         chunks = [json.loads(line[6:])["choices"] for line in r.text.splitlines() if line.startswith("data: {")]
         content = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
@@ -107,12 +142,17 @@ def test_chat_response_format(client):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"response_format": {"type": "json_object"}, "regex": "a"}, "Only one of regex, response_format can be set"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema is required"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
-     "json_schema: invalid json_schema: "),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "Only one of regex, response_format can be set"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema is required"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+            "json_schema: invalid json_schema: ",
+        ),
+    ],
+)
 def test_chat_bad_response_format_is_400(client, fields, message):
     r = chat(client, **fields)
     assert r.status_code == 400 and message in r.text, r.text
@@ -123,8 +163,9 @@ def test_grammar_backend_none_refuses_constrained_requests(tiny_llama_dir):
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
             r = generate(c, regex="a")
             assert r.status_code == 400, r.text
-            assert r.json()["error"]["message"] == ("sampling_params.regex: structured output is disabled on this "
-                                                   "server (--grammar-backend none)")
+            assert r.json()["error"]["message"] == (
+                "sampling_params.regex: structured output is disabled on this server (--grammar-backend none)"
+            )
             r = chat(c, response_format={"type": "json_object"})
             assert r.status_code == 400 and "structured output is disabled" in r.text, r.text
             assert generate(c, max_new_tokens=3).status_code == 200

@@ -16,15 +16,15 @@ import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+import hf_reference
 import httpx
 import psutil
 import pytest
 import torch
-
-import hf_reference
 from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
 from server_launcher import ServerHandle
+
 from tandem.model_executor.gguf_loader import iterate_gguf_weights
 from tandem.tools.make_tiny_model import make_tiny_model
 from tandem.utils.tokenizer import load_tokenizer
@@ -47,8 +47,11 @@ def tp2_server(tiny_llama_dir):
 def _generate(base_url: str, prompt: str, logprobs: bool = True, **sampling) -> dict:
     """Prompt logprobs keep a request from being chunked: ask for them only with `logprobs`."""
     extra = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3} if logprobs else {}
-    r = httpx.post(base_url + "/generate", timeout=120, json={
-        "text": prompt, **extra, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, **sampling}})
+    r = httpx.post(
+        base_url + "/generate",
+        timeout=120,
+        json={"text": prompt, **extra, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, **sampling}},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -87,8 +90,9 @@ def test_seeded_sampling_equals_tp1(server, tp2_server):
         two = [_generate(tp2_server.base_url, prompt, logprobs=False, **params) for _ in range(2)]
         assert two[0]["output_ids"] == two[1]["output_ids"] == one["output_ids"], prompt
         assert two[1]["meta_info"]["cached_tokens"] > 0  # the second one reused the first's prefix
-    unseeded = {tuple(_generate(tp2_server.base_url, "Hello", logprobs=False, temperature=1.0)["output_ids"])
-                for _ in range(3)}
+    unseeded = {
+        tuple(_generate(tp2_server.base_url, "Hello", logprobs=False, temperature=1.0)["output_ids"]) for _ in range(3)
+    }
     assert len(unseeded) > 1  # unseeded requests still draw fresh noise
 
 
@@ -105,16 +109,20 @@ def test_constrained_outputs_equal_tp1(server, tp2_server):
 
 def test_replicated_kv_head_matches_transformers(tiny_mqa_dir):
     """One KV head, two ranks: each holds a copy of it."""
-    expected = [hf_reference.greedy_ids(tiny_mqa_dir, hf_reference.encode(tiny_mqa_dir, p), MAX_NEW_TOKENS)
-                for p in PROMPTS]
+    expected = [
+        hf_reference.greedy_ids(tiny_mqa_dir, hf_reference.encode(tiny_mqa_dir, p), MAX_NEW_TOKENS) for p in PROMPTS
+    ]
     with ServerHandle(tiny_mqa_dir, extra_args=["--tp", "2", "--skip-server-warmup"]) as server:
         for prompt, ref in zip(PROMPTS, expected):
             assert _generate(server.base_url, prompt, temperature=0)["output_ids"] == ref, prompt
 
 
 def test_one_process_per_rank_and_a_dead_rank_takes_the_server_down(tp2_server):
-    children = {p.cmdline()[0]: p for p in psutil.Process(tp2_server.proc.pid).children(recursive=True)
-                if p.cmdline()[0].startswith("tandem::")}
+    children = {
+        p.cmdline()[0]: p
+        for p in psutil.Process(tp2_server.proc.pid).children(recursive=True)
+        if p.cmdline()[0].startswith("tandem::")
+    }
     assert set(children) == {"tandem::scheduler_TP0", "tandem::scheduler_TP1", "tandem::detokenizer"}
     [ipc_dir] = tp2_server.ipc_dirs()
     os.kill(children["tandem::scheduler_TP1"].pid, signal.SIGKILL)
@@ -132,10 +140,14 @@ def test_one_process_per_rank_and_a_dead_rank_takes_the_server_down(tp2_server):
 GGUF_NEW_TOKENS = 8
 
 
-@pytest.mark.parametrize("arch,qtype,extra", [
-    ("llama", "Q4_K", ["--tp-size", "2", "--dp-size", "2", "--tokenizer-worker-num", "2"]),
-    ("qwen2", "Q8_0", ["--tp-size", "2"]),
-], ids=["llama-Q4_K-tp2-dp2-workers2", "qwen2-Q8_0-tp2"])
+@pytest.mark.parametrize(
+    "arch,qtype,extra",
+    [
+        ("llama", "Q4_K", ["--tp-size", "2", "--dp-size", "2", "--tokenizer-worker-num", "2"]),
+        ("qwen2", "Q8_0", ["--tp-size", "2"]),
+    ],
+    ids=["llama-Q4_K-tp2-dp2-workers2", "qwen2-Q8_0-tp2"],
+)
 def test_gguf_greedy_equals_tp1(tiny_llama_gguf_dir, tmp_path, arch, qtype, extra):
     """The ranks un-permute llama's Q/K rows of the whole tensor before taking their
     heads' rows (tests/unit/test_gguf_loader.py checks each rank's shard); the reference
@@ -146,17 +158,27 @@ def test_gguf_greedy_equals_tp1(tiny_llama_gguf_dir, tmp_path, arch, qtype, extr
     prompts = [load_tokenizer(str(path))(p).input_ids for p in PROMPTS]
     want_ids, logits = greedy_steps(make_runner(path, dtype="float32"), prompts, GGUF_NEW_TOKENS)
     with ServerHandle(path, extra_args=[*extra, "--dtype", "float32", "--skip-server-warmup"]) as server:
+
         def run(prompt: str) -> dict:
-            r = httpx.post(server.base_url + "/generate", timeout=120, json={
-                "text": prompt, "return_logprob": True, "sampling_params": {
-                    "temperature": 0, "max_new_tokens": GGUF_NEW_TOKENS, "ignore_eos": True}})
+            r = httpx.post(
+                server.base_url + "/generate",
+                timeout=120,
+                json={
+                    "text": prompt,
+                    "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": GGUF_NEW_TOKENS, "ignore_eos": True},
+                },
+            )
             assert r.status_code == 200, r.text
             return r.json()
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             outs = list(pool.map(run, PROMPTS * 2))
-        embed = httpx.post(server.base_url + "/get_weights_by_name", timeout=60,
-                           json={"name": "model.embed_tokens.weight", "truncate_size": 3})
+        embed = httpx.post(
+            server.base_url + "/get_weights_by_name",
+            timeout=60,
+            json={"name": "model.embed_tokens.weight", "truncate_size": 3},
+        )
     for i, out in enumerate(outs):
         n = i % len(PROMPTS)
         assert out["output_ids"] == want_ids[n], PROMPTS[n]

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
-
 from http_helpers import generate, stream_events
 from server_launcher import ServerHandle
+from transformers import AutoTokenizer
 
 PROMPTS = ["Tom had a", "Once upon a time", "Lily saw a 猫 and"]  # 猫: byte-fallback tokens
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
@@ -38,8 +37,11 @@ def _streamed(client, incremental: bool, body: dict) -> dict:
     """The final text and ids of a streamed /generate, checking that the chunks add up."""
     chunks = stream_events(client, "/generate", {**body, "stream": True})
     if incremental:
-        return {"text": "".join(c["text"] for c in chunks),
-                "output_ids": [i for c in chunks for i in c["output_ids"]], "meta_info": chunks[-1]["meta_info"]}
+        return {
+            "text": "".join(c["text"] for c in chunks),
+            "output_ids": [i for c in chunks for i in c["output_ids"]],
+            "meta_info": chunks[-1]["meta_info"],
+        }
     for before, after in zip(chunks, chunks[1:]):
         assert after["text"].startswith(before["text"])
     return chunks[-1]
@@ -54,7 +56,7 @@ def _text_after_prompt(tokenizer, prompt_ids: list[int], output_ids: list[int]) 
     head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
     full = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=True)
     assert full.startswith(head)
-    return full[len(head):]
+    return full[len(head) :]
 
 
 def test_generate_prompt_then_output_is_decode_of_all_ids(mode, tokenizer):

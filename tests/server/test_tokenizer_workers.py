@@ -14,7 +14,6 @@ import time
 import httpx
 import psutil
 import pytest
-
 from http_helpers import assert_memory_idle
 from server_launcher import ServerHandle
 
@@ -33,8 +32,12 @@ def workers_server(tiny_llama_dir):
 def _fresh_connections(base_url: str, headers: dict | None = None) -> httpx.AsyncClient:
     """A client that opens a new connection per request, so the kernel spreads them over
     the workers (a kept-alive connection stays with one worker)."""
-    return httpx.AsyncClient(base_url=base_url, headers=headers or {}, timeout=120,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers or {},
+        timeout=120,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+    )
 
 
 def _request(i: int) -> tuple[str, dict]:
@@ -111,8 +114,9 @@ def test_api_key_health_and_control_routes_on_every_worker(workers_server, tmp_p
         assert httpx.get(workers_server.base_url + "/health_generate", timeout=30).status_code == 200
         r = httpx.post(workers_server.base_url + "/flush_cache", headers=AUTH, timeout=30)
         assert r.status_code == 200, r.text
-    r = httpx.post(workers_server.base_url + "/start_profile", headers=AUTH, timeout=60,
-                   json={"output_dir": str(tmp_path)})
+    r = httpx.post(
+        workers_server.base_url + "/start_profile", headers=AUTH, timeout=60, json={"output_dir": str(tmp_path)}
+    )
     assert r.status_code == 200, r.text
     r = httpx.post(workers_server.base_url + "/stop_profile", headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
@@ -126,9 +130,10 @@ def test_abort_by_rid_reaches_the_owner_from_any_worker(workers_server):
 
     async def run() -> list[dict]:
         async with _fresh_connections(workers_server.base_url, AUTH) as ac:
-            tasks = [asyncio.create_task(ac.post("/generate", json={"text": label, "rid": label,
-                                                                    "sampling_params": LONG}))
-                     for label in labels]
+            tasks = [
+                asyncio.create_task(ac.post("/generate", json={"text": label, "rid": label, "sampling_params": LONG}))
+                for label in labels
+            ]
             while (await ac.get("/server_info")).json()["num_running_reqs"] < len(labels):
                 await asyncio.sleep(0.05)
             for label in labels:
@@ -145,8 +150,10 @@ def test_abort_by_rid_reaches_the_owner_from_any_worker(workers_server):
 def test_abort_all_from_one_worker_stops_every_worker_s_requests(workers_server):
     async def run() -> list[dict]:
         async with _fresh_connections(workers_server.base_url, AUTH) as ac:
-            tasks = [asyncio.create_task(ac.post("/generate", json={"text": f"all {i}", "sampling_params": LONG}))
-                     for i in range(6)]
+            tasks = [
+                asyncio.create_task(ac.post("/generate", json={"text": f"all {i}", "sampling_params": LONG}))
+                for i in range(6)
+            ]
             while (await ac.get("/server_info")).json()["num_running_reqs"] < 6:
                 await asyncio.sleep(0.05)
             assert (await ac.post("/abort_request", json={"abort_all": True})).status_code == 200
@@ -168,8 +175,9 @@ def test_workers_are_named_and_sigterm_exits_0_leaving_nothing(workers_server):
 
 def test_a_dead_worker_takes_the_server_down(tiny_llama_dir):
     with ServerHandle(tiny_llama_dir, ["--tokenizer-worker-num", "2", "--skip-server-warmup"]) as server:
-        worker = next(p for p in psutil.Process(server.proc.pid).children()
-                      if "tokenizer_worker_1" in " ".join(p.cmdline()))
+        worker = next(
+            p for p in psutil.Process(server.proc.pid).children() if "tokenizer_worker_1" in " ".join(p.cmdline())
+        )
         worker.kill()
         deadline = time.monotonic() + 20
         while server.proc.poll() is None and time.monotonic() < deadline:

@@ -16,33 +16,70 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
 from server_launcher import ServerHandle
 
 TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_calls" / "qwen25_tools_template.jinja"
 # Bounded schemas: a random model writes until the grammar ends, so every value is finite.
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "set_alarm", "description": "Set an alarm",
-        "parameters": {"type": "object", "properties": {
-            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-            "minute": {"type": "integer", "minimum": 0, "maximum": 59},
-            "repeat": {"type": "boolean"}},
-            "required": ["hour", "minute", "repeat"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "add_to_cart", "description": "Add fruit to the cart",
-        "parameters": {"type": "object", "properties": {
-            "items": {"type": "array", "items": {"type": "string", "enum": ["apple", "pear", "plum"]},
-                      "minItems": 1, "maxItems": 3},
-            "options": {"type": "object", "properties": {"gift": {"type": "boolean"}},
-                        "required": ["gift"], "additionalProperties": False}},
-            "required": ["items", "options"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "set_alarm",
+            "description": "Set an alarm",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                    "minute": {"type": "integer", "minimum": 0, "maximum": 59},
+                    "repeat": {"type": "boolean"},
+                },
+                "required": ["hour", "minute", "repeat"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add_to_cart",
+            "description": "Add fruit to the cart",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "items": {
+                        "type": "array",
+                        "items": {"type": "string", "enum": ["apple", "pear", "plum"]},
+                        "minItems": 1,
+                        "maxItems": 3,
+                    },
+                    "options": {
+                        "type": "object",
+                        "properties": {"gift": {"type": "boolean"}},
+                        "required": ["gift"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["items", "options"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -114,8 +151,10 @@ def _calls_of_stream(choice: dict) -> list[tuple[str, str, str]]:
     return [(c["id"], c["name"], c["arguments"]) for _, c in sorted(choice["calls"].items())]
 
 
-SAMPLING = [pytest.param({"temperature": 0}, id="greedy"),
-            pytest.param({"temperature": 1.0, "n": 3, "seed": 11}, id="sampled")]
+SAMPLING = [
+    pytest.param({"temperature": 0}, id="greedy"),
+    pytest.param({"temperature": 1.0, "n": 3, "seed": 11}, id="sampled"),
+]
 
 
 # ---- required: any of the tools --------------------------------------------------------
@@ -178,15 +217,30 @@ def test_named_function_yields_a_valid_call_of_it(http, name, stream):
 
 
 def test_openai_client_required_and_named(oai):
-    resp = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0)
+    resp = oai.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls([(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls], set(SCHEMAS))
 
     named = {"type": "function", "function": {"name": "set_alarm"}}
-    stream = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named,
-                                         max_tokens=MAX_TOKENS, temperature=0.8, seed=3, stream=True)
+    stream = oai.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        seed=3,
+        stream=True,
+    )
     calls: dict[int, list[str]] = {}
     reasons = []
     for chunk in stream:
@@ -238,16 +292,21 @@ def test_auto_and_none_answer_in_openai_shape(http, stream):
 # ---- request errors ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "book_flight"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
-     "tools.0.function.parameters"),
-    ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "book_flight"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools.0.function.name"),
+    ],
+)
 def test_bad_tool_fields_are_400_naming_the_field(http, body, param):
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
@@ -258,8 +317,13 @@ def test_bad_tool_fields_are_400_naming_the_field(http, body, param):
 
 def test_bad_tool_choice_is_400_through_the_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
-                                    tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+        oai.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=4,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert e.value.status_code == 400 and "tool_choice" in str(e.value)
 
 

@@ -10,17 +10,17 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import hf_reference
 import httpx
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
-import hf_reference
 from gguf_writer import write_gguf
 from http_helpers import assert_memory_idle, generate, stream_events
 from runner_steps import greedy_steps, make_runner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from server_launcher import ServerHandle
+
 from tandem.model_executor.gguf_loader import iterate_gguf_weights
 from tandem.tools.make_tiny_model import make_tiny_model
 
@@ -42,8 +42,9 @@ def client(tiny_llama_dir):
 
 
 def greedy(client) -> dict:
-    return generate(client, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                               "ignore_eos": True})
+    return generate(
+        client, input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    )
 
 
 def checkpoint_rows(model_dir, name: str, rows: int) -> torch.Tensor:
@@ -53,10 +54,11 @@ def checkpoint_rows(model_dir, name: str, rows: int) -> torch.Tensor:
 
 def test_bad_updates_keep_model_a(client, tiny_llama_dir, tmp_path_factory):
     before = greedy(client)
-    assert before["output_ids"] == hf_reference.greedy_ids(tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    assert before["output_ids"] == hf_reference.greedy_ids(
+        tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS
+    )
     mqa = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mqa-bad", arch="llama", preset="tiny-mqa")
-    for path, words in ((tmp_path_factory.mktemp("empty") / "nothing", "config.json"),
-                        (mqa, "num_key_value_heads")):
+    for path, words in ((tmp_path_factory.mktemp("empty") / "nothing", "config.json"), (mqa, "num_key_value_heads")):
         r = client.post("/update_weights_from_disk", json={"model_path": str(path)})
         assert r.status_code == 400, r.text
         body = r.json()
@@ -96,8 +98,11 @@ def test_update_to_model_b(client, tiny_llama_dir, model_b):
 def test_update_waits_for_running_requests_or_aborts_them(client, tiny_llama_dir, model_b):
     """A request running when the update arrives finishes on the old weights alone (no
     mixed tokens); with abort_all_requests it is aborted instead."""
-    long_body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True},
-                 "stream": True}
+    long_body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True},
+        "stream": True,
+    }
     # The module's earlier tests leave model A serving.
     for path, abort in ((model_b, False), (tiny_llama_dir, True)):
         with ThreadPoolExecutor(1) as pool:
@@ -112,8 +117,7 @@ def test_update_waits_for_running_requests_or_aborts_them(client, tiny_llama_dir
         else:
             assert last["finish_reason"]["type"] == "length", last
             # all from model A (streamed chunks are cumulative: the last holds every id)
-            assert events[-1]["output_ids"] == hf_reference.greedy_ids(tiny_llama_dir, PROMPT, 150,
-                                                                       min_new_tokens=150)
+            assert events[-1]["output_ids"] == hf_reference.greedy_ids(tiny_llama_dir, PROMPT, 150, min_new_tokens=150)
             assert len({e["meta_info"]["weight_version"] for e in events}) == 1
     assert_memory_idle(client)
 
@@ -180,8 +184,9 @@ def test_updates_under_tensor_parallelism(tiny_llama_dir, model_b, tmp_path):
     from tandem import Engine
 
     def engine_greedy(engine) -> list[int]:
-        return engine.generate(input_ids=PROMPT, sampling_params={
-            "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})["output_ids"]
+        return engine.generate(
+            input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        )["output_ids"]
 
     a_ids = hf_reference.greedy_ids(tiny_llama_dir, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     b_ids = hf_reference.greedy_ids(model_b, PROMPT, NEW_TOKENS, min_new_tokens=NEW_TOKENS)

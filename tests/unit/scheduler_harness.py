@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tandem.messages import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
-from tandem.scheduler.scheduler import Scheduler
 from tandem.sampling.sampling_params import SamplingParams
+from tandem.scheduler.scheduler import Scheduler
 from tandem.server_args import ServerArgs
 
 
@@ -71,8 +71,14 @@ class Collected:
             assert rid not in self.finishes, f"output for {rid} after its finish"
             self.ids[rid] += rec.new_token_ids
             if rec.output_token_logprobs is not None:
-                self.logprobs[rid].append((rec.output_token_logprobs, rec.output_top_logprobs,
-                                           rec.output_token_ids_logprobs, rec.input_token_logprobs))
+                self.logprobs[rid].append(
+                    (
+                        rec.output_token_logprobs,
+                        rec.output_top_logprobs,
+                        rec.output_token_ids_logprobs,
+                        rec.input_token_logprobs,
+                    )
+                )
             if rec.finished_reason is not None:
                 self.finishes[rid] = rec.finished_reason
                 self.completion_tokens[rid] = rec.completion_tokens
@@ -97,13 +103,17 @@ class SchedulerHarness:
 
         self.scheduler.kv.release = counting_release
 
-    def submit(self, rid: str, stream: bool = False, input_ids: list[int] | None = None,
-               logprobs: dict | None = None, **params) -> None:
+    def submit(
+        self, rid: str, stream: bool = False, input_ids: list[int] | None = None, logprobs: dict | None = None, **params
+    ) -> None:
         sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0)
         for name, value in params.items():
             setattr(sp, name, value)  # NOTE: unchecked on purpose, to poison a request
-        self.io.inbox.append(TokenizedGenerateReqInput(
-            rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream, **(logprobs or {})))
+        self.io.inbox.append(
+            TokenizedGenerateReqInput(
+                rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream, **(logprobs or {})
+            )
+        )
 
     def abort(self, rid: str) -> None:
         self.io.inbox.append(AbortReq(rid=rid))

@@ -4,25 +4,29 @@ a chunked prefill; the registry refuses unknown names."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton backend is untested")
 
 from runner_steps import greedy_steps, make_runner  # noqa: E402
+
 from tandem.layers.attention.registry import create_attention_backend  # noqa: E402
 from tandem.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1], [1, 4, 4, 4, 8, 20, 30, 31, 40, 41, 50, 60, 61, 62, 63, 64, 70, 71,
-                                               72, 73, 74, 75, 76, 77, 78, 79, 80]]
+PROMPTS = [
+    [1, 5, 9, 13, 2, 7, 7, 3, 11],
+    [1],
+    [1, 4, 4, 4, 8, 20, 30, 31, 40, 41, 50, 60, 61, 62, 63, 64, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80],
+]
 
 
 def test_triton_model_matches_torch_native(tiny_llama_dir):
     native = make_runner(tiny_llama_dir, device=DEVICE, dtype="float32", attention_backend="torch_native")
-    triton_runner = make_runner(tiny_llama_dir, device=DEVICE, dtype="float32", attention_backend="triton",
-                                disable_cuda_graph=True)
+    triton_runner = make_runner(
+        tiny_llama_dir, device=DEVICE, dtype="float32", attention_backend="triton", disable_cuda_graph=True
+    )
     assert isinstance(triton_runner.attn_backend, TritonAttnBackend)
     ids_a, logits_a = greedy_steps(native, PROMPTS, 3)
     ids_b, logits_b = greedy_steps(triton_runner, PROMPTS, 3)

@@ -26,42 +26,96 @@ def compare():
 
 
 def _args(compare, tmp_path, *extra):
-    args = compare.parse_args(["--gguf", "--gguf-source", str(tmp_path / "m.Q4_1.gguf"), "--gguf-dequant", "q4_1",
-                               "--threads", "2", *extra])
+    args = compare.parse_args(
+        ["--gguf", "--gguf-source", str(tmp_path / "m.Q4_1.gguf"), "--gguf-dequant", "q4_1", "--threads", "2", *extra]
+    )
     args.command = ".venv/bin/python benchmarks/compare.py --gguf"
     return args
 
 
 def _run_row(label, engine, workload, tok_s, ttft, *, repeat=0, wrong=0):
-    return {"model": label, "format": label, "engine": engine, "workload": workload, "repeat": repeat,
-            "status": "ok", "output_throughput": tok_s, "median_ttft_ms": ttft, "median_tpot_ms": 1000 / tok_s,
-            "completed": 4, "failed": 0, "wrong_length": wrong, "timestamp": 1_800_000_000.0 + repeat,
-            "loadavg_1m": 0.5, "version": "this checkout (abc1234)"}
+    return {
+        "model": label,
+        "format": label,
+        "engine": engine,
+        "workload": workload,
+        "repeat": repeat,
+        "status": "ok",
+        "output_throughput": tok_s,
+        "median_ttft_ms": ttft,
+        "median_tpot_ms": 1000 / tok_s,
+        "completed": 4,
+        "failed": 0,
+        "wrong_length": wrong,
+        "timestamp": 1_800_000_000.0 + repeat,
+        "loadavg_1m": 0.5,
+        "version": "this checkout (abc1234)",
+    }
 
 
 def _rows(compare):
-    files = [{"kind": "gguf-file", "label": "Q4_1", "path": "/m/m.Q4_1.gguf", "made_by": "source", "size_mib": 93.8,
-              "types": {"Q4_1": 210, "F32": 61}, "eos_ids": [2], "timestamp": 1_800_000_000.0},
-             {"kind": "gguf-file", "label": "Q8_0", "path": "/m/gguf-bench/m.Q8_0.gguf", "size_mib": 138.1,
-              "made_by": "llama-quantize --allow-requantize m.Q4_1.gguf m.Q8_0.gguf Q8_0", "types": {"Q8_0": 211},
-              "eos_ids": [2], "timestamp": 1_800_000_000.0}]
+    files = [
+        {
+            "kind": "gguf-file",
+            "label": "Q4_1",
+            "path": "/m/m.Q4_1.gguf",
+            "made_by": "source",
+            "size_mib": 93.8,
+            "types": {"Q4_1": 210, "F32": 61},
+            "eos_ids": [2],
+            "timestamp": 1_800_000_000.0,
+        },
+        {
+            "kind": "gguf-file",
+            "label": "Q8_0",
+            "path": "/m/gguf-bench/m.Q8_0.gguf",
+            "size_mib": 138.1,
+            "made_by": "llama-quantize --allow-requantize m.Q4_1.gguf m.Q8_0.gguf Q8_0",
+            "types": {"Q8_0": 211},
+            "eos_ids": [2],
+            "timestamp": 1_800_000_000.0,
+        },
+    ]
     rows = list(files)
     # Q4_1: Tandem meets every target; Q8_0: one stream too slow, one request of another length.
     for w, t, c in (("b", 150.0, 100.0), ("a", 500.0, 200.0), ("e", 1200.0, 300.0)):
-        rows += [_run_row("Q4_1", "tandem", w, t, 50), _run_row("Q4_1", compare.LLAMACPP, w, c, 60),
-                 _run_row("Q4_1", compare.DEQUANT, w, t * 0.8, 70)]
+        rows += [
+            _run_row("Q4_1", "tandem", w, t, 50),
+            _run_row("Q4_1", compare.LLAMACPP, w, c, 60),
+            _run_row("Q4_1", compare.DEQUANT, w, t * 0.8, 70),
+        ]
     for w, t, c in (("b", 90.0, 100.0), ("a", 500.0, 200.0), ("e", 1200.0, 300.0)):
-        rows += [_run_row("Q8_0", "tandem", w, t, 50, wrong=1 if w == "a" else 0),
-                 _run_row("Q8_0", compare.LLAMACPP, w, c, 40)]
-    rows += [{"kind": compare.LLAMA_BENCH, "engine": compare.LLAMA_BENCH, "format": label, "model": label,
-              "workload": None, "status": "ok", "pp_tok_s": 374.0, "pp_stddev": 3.0, "tg_tok_s": 133.0,
-              "tg_stddev": 1.5, "version": "llama-server 0.5.0-dev"} for label in ("Q4_1", "Q8_0")]
+        rows += [
+            _run_row("Q8_0", "tandem", w, t, 50, wrong=1 if w == "a" else 0),
+            _run_row("Q8_0", compare.LLAMACPP, w, c, 40),
+        ]
+    rows += [
+        {
+            "kind": compare.LLAMA_BENCH,
+            "engine": compare.LLAMA_BENCH,
+            "format": label,
+            "model": label,
+            "workload": None,
+            "status": "ok",
+            "pp_tok_s": 374.0,
+            "pp_stddev": 3.0,
+            "tg_tok_s": 133.0,
+            "tg_stddev": 1.5,
+            "version": "llama-server 0.5.0-dev",
+        }
+        for label in ("Q4_1", "Q8_0")
+    ]
     return rows
 
 
 def _plan(compare, args):
-    return compare.Plan(models=["Q4_1", "Q8_0"], engines=list(compare.GGUF_ENGINES), workloads=["a", "b", "e"],
-                        repeats=3, radix_extra=False)
+    return compare.Plan(
+        models=["Q4_1", "Q8_0"],
+        engines=list(compare.GGUF_ENGINES),
+        workloads=["a", "b", "e"],
+        repeats=3,
+        radix_extra=False,
+    )
 
 
 def test_gguf_arguments(compare, tmp_path):
@@ -76,8 +130,24 @@ def test_gguf_arguments(compare, tmp_path):
     with pytest.raises(SystemExit):
         _args(compare, tmp_path, "--gguf-formats", "q3_xs")
     cmd = compare.llama_server_command(Path("f.gguf"), 8000, args)
-    assert cmd[1:] == ["-m", "f.gguf", "--host", "127.0.0.1", "--port", "8000", "-a", "m", "-t", "2", "-tb", "2",
-                       "-np", "64", "-c", "65536"]
+    assert cmd[1:] == [
+        "-m",
+        "f.gguf",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "-a",
+        "m",
+        "-t",
+        "2",
+        "-tb",
+        "2",
+        "-np",
+        "64",
+        "-c",
+        "65536",
+    ]
     server, _ = compare.server_command(compare.DEQUANT, Path("f.gguf"), 8000, "auto", args)
     assert "--dtype" not in server and server[-2:] == ["--linear-backend", "torch"]
 

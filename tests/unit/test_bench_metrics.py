@@ -164,11 +164,21 @@ def test_token_space_skips_special_ids():
 def test_build_payload_shapes():
     req = BenchRequest([5, 6, 7], 9)
     native = build_payload(Target("tandem", "u", None, {"top_k": 1}), req)
-    assert native == {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {
-        "max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True, "top_k": 1}}
+    assert native == {
+        "input_ids": [5, 6, 7],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True, "top_k": 1},
+    }
     oai = build_payload(Target("vllm", "u", "m", {}), req)
-    assert oai == {"model": "m", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0.0, "ignore_eos": True,
-                   "stream": True, "stream_options": {"include_usage": True}}
+    assert oai == {
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "max_tokens": 9,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _sse(chunks: list) -> bytes:
@@ -186,19 +196,26 @@ def _run(target_backend: str, body: bytes, status: int = 200) -> RequestResult:
 
 
 def test_send_request_native_counts_cumulative_tokens():
-    chunks = [{"text": "a", "output_ids": [9], "meta_info": {"completion_tokens": 1, "finish_reason": None}},
-              {"text": "abc", "output_ids": [9, 8, 7], "meta_info": {"completion_tokens": 3,
-                                                                      "finish_reason": {"type": "length"}}}]
+    chunks = [
+        {"text": "a", "output_ids": [9], "meta_info": {"completion_tokens": 1, "finish_reason": None}},
+        {
+            "text": "abc",
+            "output_ids": [9, 8, 7],
+            "meta_info": {"completion_tokens": 3, "finish_reason": {"type": "length"}},
+        },
+    ]
     r = _run("tandem", _sse(chunks))
     assert r.success and r.prompt_len == 4 and r.output_len == 3
     assert len(r.itl) == 2 and r.ttft > 0 and r.e2e_latency >= r.ttft
 
 
 def test_send_request_openai_uses_usage():
-    chunks = [{"choices": [{"text": "a", "finish_reason": None}]},
-              {"choices": [{"text": "", "finish_reason": None}]},
-              {"choices": [{"text": "c", "finish_reason": "length"}]},
-              {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}]
+    chunks = [
+        {"choices": [{"text": "a", "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": None}]},
+        {"choices": [{"text": "c", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}},
+    ]
     r = _run("openai", _sse(chunks))
     assert r.success and r.output_len == 3 and len(r.itl) == 2
 
@@ -206,6 +223,11 @@ def test_send_request_openai_uses_usage():
 def test_send_request_failures():
     r = _run("tandem", b'{"error": {"message": "bad"}}', status=400)
     assert not r.success and "HTTP 400" in r.error
-    aborted = [{"text": "", "output_ids": [], "meta_info": {"completion_tokens": 0,
-                                                             "finish_reason": {"type": "abort", "message": "x"}}}]
+    aborted = [
+        {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "abort", "message": "x"}},
+        }
+    ]
     assert not _run("tandem", _sse(aborted)).success

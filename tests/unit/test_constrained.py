@@ -12,30 +12,61 @@ import re
 
 import jsonschema
 import pytest
-
 from scheduler_harness import SchedulerHarness, loop_configurations
 from test_overlap_schedule import assert_same, prompts, run
+
 from tandem.constrained.grammar_key import parse_grammar, verify_grammar
 from tandem.constrained.xgrammar_backend import XGrammarBackend
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.utils.tokenizer import load_tokenizer
 
 SCHEMAS = [
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer",
-     "minimum": -5, "maximum": 500}}, "required": ["color", "n"], "additionalProperties": False},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
-        "required": ["name", "tags"], "additionalProperties": False},
-        "ok": {"type": "boolean"}}, "required": ["user", "ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": -5, "maximum": 500},
+        },
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+                },
+                "required": ["name", "tags"],
+                "additionalProperties": False,
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["user", "ok"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
-     "code": {"type": "string", "pattern": "^[0-9]{3}-[a-f]{2}$"}, "empty": {"type": "null"}},
-     "required": ["x", "code", "empty"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "x": {"type": "number", "minimum": -1, "maximum": 1},
+            "code": {"type": "string", "pattern": "^[0-9]{3}-[a-f]{2}$"},
+            "empty": {"type": "null"},
+        },
+        "required": ["x", "code", "empty"],
+        "additionalProperties": False,
+    },
     {"enum": ["yes", "no", 42, None]},
 ]
-REGEXES = [r"(cat|dog|bird)s?", r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", r"\d{3}-\d{4}", r"(0|[1-9]\d{0,3})\.\d{1,2}",
-           r"[A-Z][a-z]{0,4}( [A-Z][a-z]{0,4}){1,2}"]
+REGEXES = [
+    r"(cat|dog|bird)s?",
+    r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)",
+    r"\d{3}-\d{4}",
+    r"(0|[1-9]\d{0,3})\.\d{1,2}",
+    r"[A-Z][a-z]{0,4}( [A-Z][a-z]{0,4}){1,2}",
+]
 EBNF = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [a-c] | "x" [0-9]'
 SERVER_ARGS = {"constrained_json_disable_any_whitespace": True}
 
@@ -47,20 +78,44 @@ def constrained_workload() -> list[tuple[str, list[int], dict]]:
     reqs = []
     for i, schema in enumerate(SCHEMAS):
         reqs.append((f"json-{i}", p[i], {"json_schema": json.dumps(schema)}))
-        reqs.append((f"json-{i}-sampled", p[i + 5], {"json_schema": json.dumps(schema), "temperature": 1.0,
-                                                     "sampling_seed": 11 + i}))
+        reqs.append(
+            (
+                f"json-{i}-sampled",
+                p[i + 5],
+                {"json_schema": json.dumps(schema), "temperature": 1.0, "sampling_seed": 11 + i},
+            )
+        )
     for i, regex in enumerate(REGEXES):
         reqs.append((f"regex-{i}", p[10 + i], {"regex": regex}))
-        reqs.append((f"regex-{i}-sampled", p[15 + i], {"regex": regex, "temperature": 0.9, "top_k": 50,
-                                                       "sampling_seed": 3 + i}))
+        reqs.append(
+            (f"regex-{i}-sampled", p[15 + i], {"regex": regex, "temperature": 0.9, "top_k": 50, "sampling_seed": 3 + i})
+        )
     reqs.append(("ebnf", p[20], {"ebnf": EBNF, "temperature": 1.0, "sampling_seed": 1}))
-    reqs += [(f"n-{k}", p[21], {"json_schema": json.dumps(SCHEMAS[1]), "temperature": 1.0, "sampling_seed": 40 + k})
-             for k in range(3)]
-    reqs.append(("penalties", p[22], {"json_schema": json.dumps(SCHEMAS[2]), "temperature": 0.8,
-                                      "sampling_seed": 9, "frequency_penalty": 1.0, "presence_penalty": 0.5,
-                                      "repetition_penalty": 1.5}))
-    reqs.append(("logprobs", p[23], {"json_schema": json.dumps(SCHEMAS[0]), "logprobs": {
-        "return_logprob": True, "top_logprobs_num": 3}}))
+    reqs += [
+        (f"n-{k}", p[21], {"json_schema": json.dumps(SCHEMAS[1]), "temperature": 1.0, "sampling_seed": 40 + k})
+        for k in range(3)
+    ]
+    reqs.append(
+        (
+            "penalties",
+            p[22],
+            {
+                "json_schema": json.dumps(SCHEMAS[2]),
+                "temperature": 0.8,
+                "sampling_seed": 9,
+                "frequency_penalty": 1.0,
+                "presence_penalty": 0.5,
+                "repetition_penalty": 1.5,
+            },
+        )
+    )
+    reqs.append(
+        (
+            "logprobs",
+            p[23],
+            {"json_schema": json.dumps(SCHEMAS[0]), "logprobs": {"return_logprob": True, "top_logprobs_num": 3}},
+        )
+    )
     reqs.append(("plain", p[24], {"max_new_tokens": 20}))
     return [(rid, ids, {"max_new_tokens": 120, "ignore_eos": False, **fields}) for rid, ids, fields in reqs]
 
@@ -153,12 +208,18 @@ def test_compile_cache_is_keyed_by_kind_and_value(tiny_llama_dir):
         backend.compile(("json_schema", "{nope")).result(timeout=30)
 
 
-@pytest.mark.parametrize("key,message", [
-    (("json_schema", '{"type": "foo"}'), 'sampling_params.json_schema: invalid json_schema: Unsupported type "foo"'),
-    (("json_schema", "{not json"), "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
-    (("regex", "(ab"), "sampling_params.regex: invalid regex: "),
-    (("ebnf", 'root ::= "a" |'), "sampling_params.ebnf: invalid ebnf: EBNF parser error"),
-])
+@pytest.mark.parametrize(
+    "key,message",
+    [
+        (
+            ("json_schema", '{"type": "foo"}'),
+            'sampling_params.json_schema: invalid json_schema: Unsupported type "foo"',
+        ),
+        (("json_schema", "{not json"), "sampling_params.json_schema: invalid json_schema: Failed to parse JSON"),
+        (("regex", "(ab"), "sampling_params.regex: invalid regex: "),
+        (("ebnf", 'root ::= "a" |'), "sampling_params.ebnf: invalid ebnf: EBNF parser error"),
+    ],
+)
 def test_invalid_grammars_name_the_problem(key, message):
     with pytest.raises(ValueError) as e:
         parse_grammar(key)
@@ -167,8 +228,11 @@ def test_invalid_grammars_name_the_problem(key, message):
 
 
 def test_grammar_backend_none_and_no_tokenizer_refuse():
-    with pytest.raises(ValueError, match=r"sampling_params.regex: structured output is disabled on this server "
-                                         r"\(--grammar-backend none\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sampling_params.regex: structured output is disabled on this server "
+        r"\(--grammar-backend none\)",
+    ):
         verify_grammar(("regex", "a"), "none", True, True)
     with pytest.raises(ValueError, match="needs the tokenizer"):
         verify_grammar(("regex", "a"), "xgrammar", False, True)
@@ -179,7 +243,9 @@ def test_sampling_params_grammar_fields():
     sp = SamplingParams.from_dict({"json_schema": {"type": "string"}, "regex": "", "ebnf": None})
     assert sp.grammar_key() == ("json_schema", '{"type": "string"}')
     assert SamplingParams.from_dict({}).grammar_key() is None
-    with pytest.raises(ValueError, match=r"only one of regex, json_schema, or ebnf can be set \(got json_schema and regex\)"):
+    with pytest.raises(
+        ValueError, match=r"only one of regex, json_schema, or ebnf can be set \(got json_schema and regex\)"
+    ):
         SamplingParams.from_dict({"json_schema": "{}", "regex": "a"})
     with pytest.raises(ValueError, match="sampling_params.regex: must be a string"):
         SamplingParams.from_dict({"regex": 5})

@@ -41,7 +41,7 @@ def read_llama2c_tokenizer(path: Path, vocab_size: int = 512) -> tuple[list[str]
     offset, pieces, scores = 4, [], []
     for _ in range(vocab_size):
         score, length = struct.unpack_from("<fi", data, offset)
-        pieces.append(data[offset + 8:offset + 8 + length].decode("utf-8"))
+        pieces.append(data[offset + 8 : offset + 8 + length].decode("utf-8"))
         scores.append(score)
         offset += 8 + length
     return pieces, scores
@@ -66,7 +66,7 @@ def llama2c_encode(text: str, pieces: list[str], scores: list[float]) -> list[in
                 best_score, best_id, best_idx = scores[merged_id], merged_id, i
         if best_idx == -1:
             return tokens
-        tokens[best_idx:best_idx + 2] = [best_id]
+        tokens[best_idx : best_idx + 2] = [best_id]
 
 
 def read_llama2c_checkpoint(path: Path) -> tuple[dict[str, int], dict[str, np.ndarray]]:
@@ -79,16 +79,23 @@ def read_llama2c_checkpoint(path: Path) -> tuple[dict[str, int], dict[str, np.nd
     floats = np.frombuffer(data, dtype="<f4", offset=28).astype(np.float64)
     w, offset = {}, 0
     for name, shape in [
-        ("emb", (vocab, dim)), ("att_norm", (layers, dim)), ("wq", (layers, dim, dim)),
-        ("wk", (layers, kv_dim, dim)), ("wv", (layers, kv_dim, dim)), ("wo", (layers, dim, dim)),
-        ("ffn_norm", (layers, dim)), ("w1", (layers, hidden, dim)), ("w2", (layers, dim, hidden)),
-        ("w3", (layers, hidden, dim)), ("final_norm", (dim,)),
+        ("emb", (vocab, dim)),
+        ("att_norm", (layers, dim)),
+        ("wq", (layers, dim, dim)),
+        ("wk", (layers, kv_dim, dim)),
+        ("wv", (layers, kv_dim, dim)),
+        ("wo", (layers, dim, dim)),
+        ("ffn_norm", (layers, dim)),
+        ("w1", (layers, hidden, dim)),
+        ("w2", (layers, dim, hidden)),
+        ("w3", (layers, hidden, dim)),
+        ("final_norm", (dim,)),
     ]:
         size = int(np.prod(shape))
-        w[name] = floats[offset:offset + size].reshape(shape)
+        w[name] = floats[offset : offset + size].reshape(shape)
         offset += size
     offset += cfg["seq_len"] * head_size  # two legacy RoPE tables
-    w["cls"] = w["emb"] if cfg["vocab_size"] > 0 else floats[offset:offset + vocab * dim].reshape(vocab, dim)
+    w["cls"] = w["emb"] if cfg["vocab_size"] > 0 else floats[offset : offset + vocab * dim].reshape(vocab, dim)
     return cfg, w
 
 
@@ -127,9 +134,9 @@ def llama2c_forward(path: Path, tokens: list[int]) -> torch.Tensor:
         heads = []
         for h in range(n_heads):
             kv_h = h // (n_heads // n_kv)
-            qh = q[:, h * head_size:(h + 1) * head_size]
-            kh = k[:, kv_h * head_size:(kv_h + 1) * head_size]
-            vh = v[:, kv_h * head_size:(kv_h + 1) * head_size]
+            qh = q[:, h * head_size : (h + 1) * head_size]
+            kh = k[:, kv_h * head_size : (kv_h + 1) * head_size]
+            vh = v[:, kv_h * head_size : (kv_h + 1) * head_size]
             att = (qh @ kh.T / math.sqrt(head_size)).masked_fill(~causal, float("-inf")).softmax(-1)
             heads.append(att @ vh)
         x = x + torch.cat(heads, dim=-1) @ w["wo"][layer].T
@@ -223,8 +230,7 @@ def test_logits_match_llama2c_forward(hf_model, hf_tokenizer):
 
 def test_greedy_generation_is_english(hf_model, hf_tokenizer):
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([[1]]), max_new_tokens=80, do_sample=False,
-                                pad_token_id=0, eos_token_id=2)
+        out = hf_model.generate(torch.tensor([[1]]), max_new_tokens=80, do_sample=False, pad_token_id=0, eos_token_id=2)
     text = hf_tokenizer.decode(out[0], skip_special_tokens=True)
     assert text.startswith("Once upon a time"), text
     assert " the " in text and " was " in text
@@ -233,9 +239,21 @@ def test_greedy_generation_is_english(hf_model, hf_tokenizer):
 def test_cli(tmp_path):
     out = tmp_path / "cli"
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.tools.convert_llama2c", "--checkpoint", str(STORIES / "stories260K.bin"),
-         "--tokenizer", str(STORIES / "tok512.bin"), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+        [
+            sys.executable,
+            "-m",
+            "tandem.tools.convert_llama2c",
+            "--checkpoint",
+            str(STORIES / "stories260K.bin"),
+            "--tokenizer",
+            str(STORIES / "tok512.bin"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -244,9 +262,22 @@ def test_cli(tmp_path):
 # ----------------------------------------------------------------------------- tokenizer
 
 FIXED_STRINGS = [
-    "", " ", "Once upon a time", "  two spaces", "日本語 😀", "Hello, world!", "a\nb\tc",
-    "The cat sat on the mat.", "Lily's mom said, \"Let's go!\"", "    ", "aaaaaaaa", "é ñ – … €™",
-    "tt tt tt ttt", "\u200a\xa0", "<0x41> <unk", "1234567890",
+    "",
+    " ",
+    "Once upon a time",
+    "  two spaces",
+    "日本語 😀",
+    "Hello, world!",
+    "a\nb\tc",
+    "The cat sat on the mat.",
+    "Lily's mom said, \"Let's go!\"",
+    "    ",
+    "aaaaaaaa",
+    "é ñ – … €™",
+    "tt tt tt ttt",
+    "\u200a\xa0",
+    "<0x41> <unk",
+    "1234567890",
 ]
 
 

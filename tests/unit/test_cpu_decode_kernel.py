@@ -54,7 +54,7 @@ def make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype, seed=0):
     owned = free[torch.randperm(len(free), generator=gen)[:total]]  # scattered, not in order
     per_req, start = [], 0
     for n in seq_lens:
-        row, slots = rows.alloc(), owned[start:start + n]
+        row, slots = rows.alloc(), owned[start : start + n]
         start += n
         rows.write(row, 0, slots)
         k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
@@ -82,10 +82,17 @@ def test_decode_attention_matches_float64(dtype, tol, num_heads, kv_heads, head_
     seq_lens = [1, 15, 16, 17, 40, 3, 100]
     kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype)
     wide = torch.randn(len(seq_lens), num_heads * head_dim + 24).to(dtype)
-    q = wide[:, :num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)  # rows strided, as in a fused QKV
-    scale = head_dim ** -0.5
-    out = ops.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token,
-                               torch.tensor([r[0] for r in per_req]), torch.tensor(seq_lens), scale)
+    q = wide[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)  # rows strided, as in a fused QKV
+    scale = head_dim**-0.5
+    out = ops.decode_attention(
+        q,
+        kv.k_buffer[0],
+        kv.v_buffer[0],
+        rows.req_to_token,
+        torch.tensor([r[0] for r in per_req]),
+        torch.tensor(seq_lens),
+        scale,
+    )
     assert out.dtype == dtype and out.shape == (len(seq_lens), num_heads * head_dim)
     assert not out.isnan().any(), "an unowned slot was read"
     torch.testing.assert_close(out.double(), reference(q, per_req, scale), atol=tol, rtol=tol)
@@ -115,11 +122,19 @@ def test_backend_decodes_with_the_kernel(dtype, tol):
     assert backend.decode_kernel is not None
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     n = len(seq_lens)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=n, input_ids=torch.zeros(n, dtype=torch.int64),
-                      positions=torch.zeros(n, dtype=torch.int64), out_cache_loc=torch.zeros(n, dtype=torch.int64),
-                      req_pool_indices=torch.tensor([r[0] for r in per_req]), seq_lens=torch.tensor(seq_lens),
-                      seq_lens_cpu=seq_lens, prefix_lens_cpu=[s - 1 for s in seq_lens], extend_lens_cpu=[1] * n)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=n,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=torch.zeros(n, dtype=torch.int64),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([r[0] for r in per_req]),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=[s - 1 for s in seq_lens],
+        extend_lens_cpu=[1] * n,
+    )
     backend.init_forward_metadata(fb)
     assert backend.forward_metadata is None
-    out = backend.forward(q.reshape(n, -1), 0, fb, head_dim ** -0.5, num_heads, kv_heads, head_dim)
-    torch.testing.assert_close(out.double(), reference(q, per_req, head_dim ** -0.5), atol=tol, rtol=tol)
+    out = backend.forward(q.reshape(n, -1), 0, fb, head_dim**-0.5, num_heads, kv_heads, head_dim)
+    torch.testing.assert_close(out.double(), reference(q, per_req, head_dim**-0.5), atol=tol, rtol=tol)

@@ -33,7 +33,7 @@ def test_decode_switches_to_the_faster_count_and_back():
         # Two threads twice as fast (a large model, quiet machine): the first probe switches.
         used = run_decode(policy, FIRST_PROBE_AFTER + 2 * PROBE_STEPS + 5, {1: 0.02, 2: 0.01})
         assert used[:FIRST_PROBE_AFTER] == [1] * FIRST_PROBE_AFTER
-        assert used[FIRST_PROBE_AFTER:FIRST_PROBE_AFTER + 2 * PROBE_STEPS] == PROBE
+        assert used[FIRST_PROBE_AFTER : FIRST_PROBE_AFTER + 2 * PROBE_STEPS] == PROBE
         assert policy.decode == 2 and used[-5:] == [2] * 5
         # Then the machine gets loaded: two threads stall. Steps twice as slow as the
         # probe measured probe at once (not after PROBE_EVERY steps): one thread again.

@@ -6,13 +6,13 @@ logits of eager decode. The graphs themselves run in tests/cuda."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton): the Triton backend is untested")
 
 from runner_steps import greedy_steps, make_runner  # noqa: E402
+
 from tandem.model_executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,8 +34,9 @@ class EagerGraphRunner(CudaGraphRunner):
 def test_padded_replay_equals_eager_decode(tiny_llama_dir):
     kwargs = dict(device=DEVICE, dtype="float32", attention_backend="triton", disable_cuda_graph=True)
     eager, graphs = make_runner(tiny_llama_dir, **kwargs), make_runner(tiny_llama_dir, **kwargs)
-    runner = EagerGraphRunner(lambda fb: graphs.model(fb, graphs.ctx), graphs.attn_backend, [1, 2, 4],
-                              graphs.vocab_size, DEVICE)
+    runner = EagerGraphRunner(
+        lambda fb: graphs.model(fb, graphs.ctx), graphs.attn_backend, [1, 2, 4], graphs.vocab_size, DEVICE
+    )
     graphs.cuda_graph_runner = runner
     replayed = []
     replay = runner.replay

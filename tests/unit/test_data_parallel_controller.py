@@ -22,10 +22,19 @@ from tandem.utils import zmq_io
 
 
 def _state(request_id: str, running: int, free: int, idle: float, version: str = "default") -> ServerStateOutput:
-    return ServerStateOutput(request_id, max_total_num_tokens=100, free_kv_slots=free, evictable_cached_slots=0,
-                             protected_cached_slots=0, num_running_reqs=running, num_waiting_reqs=0,
-                             free_req_rows=4, forward_idle_fraction=idle, weight_version=version,
-                             num_finished_reqs=running)
+    return ServerStateOutput(
+        request_id,
+        max_total_num_tokens=100,
+        free_kv_slots=free,
+        evictable_cached_slots=0,
+        protected_cached_slots=0,
+        num_running_reqs=running,
+        num_waiting_reqs=0,
+        free_req_rows=4,
+        forward_idle_fraction=idle,
+        weight_version=version,
+        num_finished_reqs=running,
+    )
 
 
 def test_round_robin_takes_replicas_in_turn():

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
+
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.tools.make_tiny_model import make_tiny_model
@@ -24,8 +24,10 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
-    return {arch: write_gguf(make_tiny_model(root / arch, arch=arch, preset="gguf"), root / f"{arch}.gguf", qtype)
-            for arch, qtype in (("llama", "Q4_0"), ("qwen2", "Q8_0"))}
+    return {
+        arch: write_gguf(make_tiny_model(root / arch, arch=arch, preset="gguf"), root / f"{arch}.gguf", qtype)
+        for arch, qtype in (("llama", "Q4_0"), ("qwen2", "Q8_0"))
+    }
 
 
 def run(runner, prompts, fused: bool):

@@ -138,8 +138,9 @@ def test_rotary_close_to_transformers(dtype, tol, impl):
     are computed in float32 (ours in float64, rounded; float32 angles drift by ~1e-4 at
     position 2047): equal up to the tables' rounding."""
     torch.manual_seed(4)
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=2048,
-                         rope_theta=10000.0)
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0
+    )
     positions = torch.tensor([0, 3, 64, 1000, 2047])
     q = torch.randn(5, 4, 64).to(dtype)
     k = torch.randn(5, 2, 64).to(dtype)

@@ -19,8 +19,9 @@ from tandem.function_call.qwen25_detector import Qwen25Detector
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "tool_calls"
 TOOL_NAMES = ("get_current_weather", "get_time", "translate")
-CASES = [(family, case) for family in ("llama3", "qwen25")
-         for case in json.loads((FIXTURES / f"{family}.json").read_text())]
+CASES = [
+    (family, case) for family in ("llama3", "qwen25") for case in json.loads((FIXTURES / f"{family}.json").read_text())
+]
 
 
 def _ids(param):
@@ -33,7 +34,7 @@ def _calls(result: StreamingParseResult) -> list[dict]:
 
 
 def _streamed(detector, text: str, size: int) -> tuple[list[StreamingParseResult], StreamingParseResult]:
-    parts = [detector.parse_streaming_increment(text[i:i + size]) for i in range(0, len(text), size)]
+    parts = [detector.parse_streaming_increment(text[i : i + size]) for i in range(0, len(text), size)]
     parts.append(detector.finish())
     whole = StreamingParseResult()
     for part in parts:
@@ -65,23 +66,27 @@ def test_recorded_output_streamed_in_pieces(family, case, size):
 def test_text_before_a_call_streams_before_the_call_is_whole(family, marker):
     """Content goes out as it settles (never a partial marker); the call goes out once whole."""
     text = f"Let me check that.\n{marker}" + (
-        '\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>' if family == "qwen25"
-        else '{"name": "get_time", "parameters": {"timezone": "UTC"}}')
+        '\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+        if family == "qwen25"
+        else '{"name": "get_time", "parameters": {"timezone": "UTC"}}'
+    )
     parts, whole = _streamed(ToolCallParserEnum[family](TOOL_NAMES), text, 1)
     first_call = next(i for i, p in enumerate(parts) if p.calls)
     streamed_text = "".join(p.normal_text for p in parts[:first_call])
     assert streamed_text == "Let me check that."
     assert all("<" not in p.normal_text for p in parts)
     # The content was all out before the call's JSON was.
-    assert "".join(p.normal_text for p in parts[:text.index("{") + 1]) == "Let me check that."
+    assert "".join(p.normal_text for p in parts[: text.index("{") + 1]) == "Let me check that."
     assert _calls(whole) == [{"name": "get_time", "arguments": {"timezone": "UTC"}}]
 
 
 # ---- constrained output: required (JSON array) and a named function --------------------
 
 FUNCTIONS = [
-    {"name": "get_time", "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                                        "required": ["timezone"]}},
+    {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+    },
     {"name": "ping"},  # no parameters: an object of anything
 ]
 
@@ -91,8 +96,13 @@ def test_required_constraint_is_an_array_of_calls_of_the_tools():
     jsonschema.Draft202012Validator.check_schema(schema)
     good = [{"name": "get_time", "parameters": {"timezone": "UTC"}}, {"name": "ping", "parameters": {}}]
     jsonschema.validate(good, schema)
-    for bad in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_time", "parameters": {}}],
-                [{"name": "ping"}], {"name": "ping", "parameters": {}}):
+    for bad in (
+        [],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_time", "parameters": {}}],
+        [{"name": "ping"}],
+        {"name": "ping", "parameters": {}},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert "maxItems" not in schema
@@ -105,8 +115,12 @@ def test_named_constraint_is_the_function_parameters():
 
 
 def test_required_constraint_hoists_defs():
-    ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
-           "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    ref = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/Point"}},
+        "required": ["p"],
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
     schema = get_json_schema_constraint([{"name": "f", "parameters": ref}], None)
     assert "Point" in schema["$defs"]
     jsonschema.validate([{"name": "f", "parameters": {"p": {"x": 1}}}], schema)
@@ -142,7 +156,8 @@ def test_json_array_cut_by_max_tokens_keeps_whole_calls_and_the_rest_is_text():
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_named_function_output(size):
     _, whole = _streamed(NamedFunctionParser("get_time"), '{"timezone": "Europe/Paris"}', size)
-    assert whole.normal_text == "" and _calls(whole) == [{"name": "get_time",
-                                                          "arguments": {"timezone": "Europe/Paris"}}]
+    assert whole.normal_text == "" and _calls(whole) == [
+        {"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}
+    ]
     cut = NamedFunctionParser("get_time").detect_and_parse('{"timezone": "Eur')
     assert cut.calls == [] and cut.normal_text == '{"timezone": "Eur'

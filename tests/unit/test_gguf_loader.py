@@ -23,10 +23,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
+from safetensors.torch import load_file, save_file
+
 from tandem.model_executor.gguf_loader import iterate_gguf_weights
 from tandem.model_executor.model_loader import iterate_weights, load_config
 from tandem.model_executor.model_runner import check_same_shapes
@@ -45,8 +45,10 @@ def model_dirs(tmp_path_factory):
 def dequantized_dir(model_dir, gguf_path, out):
     """`model_dir` with the GGUF file's weights (dequantized, Hugging Face names and rows)."""
     shutil.copytree(model_dir, out)
-    save_file({name: w[...].contiguous() for name, w in iterate_weights(str(gguf_path), show_progress=False)},
-              str(out / "model.safetensors"))
+    save_file(
+        {name: w[...].contiguous() for name, w in iterate_weights(str(gguf_path), show_progress=False)},
+        str(out / "model.safetensors"),
+    )
     return out
 
 

@@ -16,24 +16,39 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-
 from gguf_writer import quantize as quantize_k
+
 from tandem.layers.quantization.gguf_repack import Packed, concat_rows, repack, slice_cols, widen
 
 QT = gguf.GGMLQuantizationType
 
 # type -> (bits, group) of its layout
 FORMAT = {
-    "Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32),
-    "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q5_K": (8, 32),
-    "Q6_K": (8, 16), "Q3_K": (8, 16), "Q2_K": (8, 16),
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q4_K": (4, 32),
+    "Q8_0": (8, 32),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "Q5_K": (8, 32),
+    "Q6_K": (8, 16),
+    "Q3_K": (8, 16),
+    "Q2_K": (8, 16),
 }
 TYPES = list(FORMAT)
 GGUF_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}  # gguf.quants.quantize has these
 # byte offsets of each block's f16 fields (d, dmin / m)
 F16_FIELDS = {
-    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
 }
 SHAPES = [(r, c) for r in (1, 3, 64) for c in (256, 512, 768)]
 
@@ -55,7 +70,7 @@ def _random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     for off in F16_FIELDS[name]:
         f = (rng.standard_normal(b.shape[:2]) * 0.05).astype(np.float16)
         f[rng.random(f.shape) < 0.05] = 0
-        b[..., off:off + 2] = f.view(np.uint8).reshape(*f.shape, 2)
+        b[..., off : off + 2] = f.view(np.uint8).reshape(*f.shape, 2)
     return b.reshape(rows, -1)
 
 
@@ -179,8 +194,15 @@ def test_bits8_codes():
     def q2_k(b):  # sc = 1, m = 0, dmin = 0
         b[..., 0:16], b[..., 80:82], b[..., 82:84] = 0x01, _f16_bytes(1.0), _f16_bytes(0.0)
 
-    cases = [("Q8_0", _d1, 128, 255), ("Q5_0", _d1, 16, 31), ("Q5_1", _d1_m0, 0, 31),
-             ("Q5_K", _k_unit, 0, 31), ("Q6_K", q6_k, 32, 63), ("Q3_K", q3_k, 4, 7), ("Q2_K", q2_k, 0, 3)]
+    cases = [
+        ("Q8_0", _d1, 128, 255),
+        ("Q5_0", _d1, 16, 31),
+        ("Q5_1", _d1_m0, 0, 31),
+        ("Q5_K", _k_unit, 0, 31),
+        ("Q6_K", q6_k, 32, 63),
+        ("Q3_K", q3_k, 4, 7),
+        ("Q2_K", q2_k, 0, 3),
+    ]
     for name, fill, offset, top in cases:
         blocks = _blocks(name, rows, cols // gguf.GGML_QUANT_SIZES[QT[name]][0], fill)
         codes = gguf.quants.dequantize(blocks, QT[name]) + offset
@@ -255,7 +277,7 @@ def test_slice_cols_takes_a_shard(name):
     for start, length in ((0, 384), (384, 384), (p.group, 2 * p.group), (0, 768), (768 - p.group, p.group)):
         s = slice_cols(p, start, length)
         _assert_layout(s, p.bits, p.group, 3, length)
-        _assert_same_weights(s.dequantize(), np.ascontiguousarray(ref[:, start:start + length]))
+        _assert_same_weights(s.dequantize(), np.ascontiguousarray(ref[:, start : start + length]))
     for start, length in ((8, 64), (0, p.group + 8), (0, 0), (-p.group, p.group), (768 - p.group, 2 * p.group)):
         with pytest.raises(ValueError):
             slice_cols(p, start, length)

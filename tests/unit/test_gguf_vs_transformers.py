@@ -10,10 +10,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from gguf_writer import write_gguf
 from runner_steps import greedy_steps, hf_greedy, make_runner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from tandem.model_executor.model_loader import check_model, load_config
 from tandem.server_args import ServerArgs
 from tandem.tools.make_tiny_model import make_tiny_model
@@ -24,8 +24,11 @@ STEPS = 6
 ALL_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # Every type on llama (whose Q/K rows llama.cpp permutes); a few on qwen2 (q/k/v biases)
 # and qwen3 (q/k norms, tied head).
-CASES = ([("llama", t) for t in ALL_TYPES] + [("qwen2", t) for t in ("F32", "Q4_K", "Q5_0")]
-         + [("qwen3", t) for t in ("F32", "Q6_K", "Q4_1")])
+CASES = (
+    [("llama", t) for t in ALL_TYPES]
+    + [("qwen2", t) for t in ("F32", "Q4_K", "Q5_0")]
+    + [("qwen3", t) for t in ("F32", "Q6_K", "Q4_1")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +84,16 @@ def assert_matches_directory(gguf_path, model_dir):
 def test_llama3_rope_frequency_factors_apply(tmp_path):
     """llama.cpp stores Llama 3 RoPE scaling as `rope_freqs.weight` (which transformers'
     GGUF loader ignores): Tandem on the GGUF equals transformers on the directory."""
-    model_dir = scaled_model(tmp_path, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    model_dir = scaled_model(
+        tmp_path,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     path = write_gguf(model_dir, tmp_path / "llama3.gguf", "F32")
     assert len(load_config(str(path)).rope_freq_factors) == 64
     assert_matches_directory(path, model_dir)
@@ -114,15 +125,24 @@ def test_split_set_loads_like_one_file(model_dirs, tmp_path):
 def test_config_and_tokenizer_from_metadata(model_dirs, tmp_path, arch):
     path = write_gguf(model_dirs[arch], tmp_path / "m.gguf", "Q8_0")
     config, hf_config = load_config(str(path)), load_config(str(model_dirs[arch]))
-    for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+    for key in (
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(config, key) == getattr(hf_config, key), key
     assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps, rel=1e-6)  # GGUF holds a float32
     assert config.gguf == {"files": ["m.gguf"], "tensor_types": config.gguf["tensor_types"]}
     assert set(config.gguf["tensor_types"]) == {"Q8_0", "F32"}
     ours = load_tokenizer(str(path))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
-    messages = [{"role": "user", "content": "Once upon a time, the baker said: \"two on Sundays!\""}]
+    messages = [{"role": "user", "content": 'Once upon a time, the baker said: "two on Sundays!"'}]
     assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
     text = "Every morning he woke up at 4:30 and baked 12 loaves."
     assert ours(text).input_ids == theirs(text).input_ids

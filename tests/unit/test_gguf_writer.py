@@ -11,14 +11,14 @@ marks them.
 
 from __future__ import annotations
 
+import gguf_writer
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf_writer import SUPPORTED_TYPES, dequantize, gguf_tensors, permute, quantize, shard_paths, write_gguf
 from safetensors.numpy import load_file
 
-import gguf_writer
-from gguf_writer import SUPPORTED_TYPES, dequantize, gguf_tensors, permute, quantize, shard_paths, write_gguf
 from tandem.tools.make_tiny_model import _training_lines, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -32,20 +32,46 @@ PROMPT = [[1, 5, 9, 300, 301, 400, 17, 18, 900, 1000, 1200, 7, 7, 3]]
 # Gaussian weights) F16 0.0002, BF16 0.0017, Q8_0 0.0054, Q6_K 0.019, Q5_1 0.038,
 # Q5_K 0.038, Q5_0 0.043, Q4_1 0.078, Q4_K 0.079, Q4_0 0.086, Q3_K 0.155, Q2_K 0.33.
 MAX_REL_RMS = {
-    "F16": 5e-4, "BF16": 4e-3, "Q8_0": 0.012, "Q6_K": 0.04, "Q5_0": 0.09, "Q5_1": 0.08,
-    "Q5_K": 0.08, "Q4_0": 0.17, "Q4_1": 0.16, "Q4_K": 0.16, "Q3_K": 0.3, "Q2_K": 0.45,
+    "F16": 5e-4,
+    "BF16": 4e-3,
+    "Q8_0": 0.012,
+    "Q6_K": 0.04,
+    "Q5_0": 0.09,
+    "Q5_1": 0.08,
+    "Q5_K": 0.08,
+    "Q4_0": 0.17,
+    "Q4_1": 0.16,
+    "Q4_K": 0.16,
+    "Q3_K": 0.3,
+    "Q2_K": 0.45,
 }
 # ... and the least error a quantizer of that width can reach (catches a type silently
 # written as something finer).
-MIN_REL_RMS = {"Q8_0": 1e-3, "Q6_K": 5e-3, "Q5_0": 0.015, "Q5_1": 0.015, "Q5_K": 0.015,
-               "Q4_0": 0.03, "Q4_1": 0.03, "Q4_K": 0.03, "Q3_K": 0.06, "Q2_K": 0.12}
+MIN_REL_RMS = {
+    "Q8_0": 1e-3,
+    "Q6_K": 5e-3,
+    "Q5_0": 0.015,
+    "Q5_1": 0.015,
+    "Q5_K": 0.015,
+    "Q4_0": 0.03,
+    "Q4_1": 0.03,
+    "Q4_K": 0.03,
+    "Q3_K": 0.06,
+    "Q2_K": 0.12,
+}
 
 # Texts the GGUF tokenizers must encode exactly like the HF directories' (none starts with
 # a space or holds a special token: see test_llama_tokenizer_known_differences).
 TEXTS = [
-    "", "Hello, world!", "Once upon a time, in a small town by the sea", "a\nb\tc\r\n",
-    "two  spaces  inside  ", "The 12 loaves cost $19.99 (per month).", "日本語 😀 café naïve",
-    "x" * 50, "3.14159 and -42 appear everywhere!!!",
+    "",
+    "Hello, world!",
+    "Once upon a time, in a small town by the sea",
+    "a\nb\tc\r\n",
+    "two  spaces  inside  ",
+    "The 12 loaves cost $19.99 (per month).",
+    "日本語 😀 café naïve",
+    "x" * 50,
+    "3.14159 and -42 appear everywhere!!!",
 ] + [line.strip() for line in _training_lines()]
 
 
@@ -80,8 +106,16 @@ def test_f32_logits_match_transformers(model_dirs, f32_files, arch):
     path = f32_files[arch]
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ref = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert getattr(model.config, key) == getattr(ref.config, key), key
     assert model.config.rms_norm_eps == pytest.approx(ref.config.rms_norm_eps, rel=1e-6)  # a GGUF float32
     # (transformers reads no head size from a qwen2 file: it is hidden/heads there, 128 here)
@@ -103,9 +137,15 @@ def test_metadata_and_tensor_names(model_dirs, f32_files, arch):
     assert _field(reader, "general.file_type") == 0  # ALL_F32
     assert _field(reader, "general.quantization_version") == 2
     expected = {
-        "block_count": 2, "context_length": 2048, "embedding_length": 512, "feed_forward_length": 768,
-        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 128,
-        "attention.value_length": 128, "rope.freq_base": 10000.0 if arch == "llama" else 1e6,
+        "block_count": 2,
+        "context_length": 2048,
+        "embedding_length": 512,
+        "feed_forward_length": 768,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 128,
+        "attention.value_length": 128,
+        "rope.freq_base": 10000.0 if arch == "llama" else 1e6,
     }
     for key, value in expected.items():
         assert _field(reader, f"{arch}.{key}") == value, key
@@ -113,15 +153,19 @@ def test_metadata_and_tensor_names(model_dirs, f32_files, arch):
     assert eps == pytest.approx(1e-5 if arch == "llama" else 1e-6, rel=1e-6)
     # LlamaModel adds these two; Qwen2Model/Qwen3Model do not
     assert (_field(reader, f"{arch}.vocab_size"), _field(reader, f"{arch}.rope.dimension_count")) == (
-        (1536, 128) if arch == "llama" else (None, None))
+        (1536, 128) if arch == "llama" else (None, None)
+    )
 
     names = [t.name for t in reader.tensors]
-    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                 "ffn_down"]
-    per_block += {"llama": [], "qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
-                  "qwen3": ["attn_q_norm", "attn_k_norm"]}[arch]
+    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    per_block += {
+        "llama": [],
+        "qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+        "qwen3": ["attn_q_norm", "attn_k_norm"],
+    }[arch]
     want = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for i in range(2) for n in per_block}
+        f"blk.{i}.{n}" if n.endswith(".bias") else f"blk.{i}.{n}.weight" for i in range(2) for n in per_block
+    }
     if arch == "llama":
         want.add("output.weight")  # tied embeddings (qwen2/qwen3) write no output
     assert len(names) == len(set(names)) and set(names) == want
@@ -160,8 +204,10 @@ def test_qk_rows_permuted_for_llama_only(model_dirs, f32_files, arch):
 @pytest.fixture(scope="module")
 def tokenizers(model_dirs, f32_files) -> dict:
     return {
-        arch: (AutoTokenizer.from_pretrained(f32_files[arch].parent, gguf_file=f32_files[arch].name),
-               AutoTokenizer.from_pretrained(model_dirs[arch]))
+        arch: (
+            AutoTokenizer.from_pretrained(f32_files[arch].parent, gguf_file=f32_files[arch].name),
+            AutoTokenizer.from_pretrained(model_dirs[arch]),
+        )
         for arch in ARCHS
     }
 
@@ -246,7 +292,7 @@ def test_quantized_weights_within_expected_error(model_dirs, llama_tensors, tmp_
             np.testing.assert_array_equal(values, original)
             continue
         assert tensor.tensor_type == GGMLQuantizationType[tensor_type], tensor.name
-        rel = float(np.sqrt(((values - original) ** 2).mean() / (original ** 2).mean()))
+        rel = float(np.sqrt(((values - original) ** 2).mean() / (original**2).mean()))
         assert rel <= MAX_REL_RMS[tensor_type], (tensor.name, rel)
         worst = max(worst, rel)
     assert worst >= MIN_REL_RMS.get(tensor_type, 0.0)
@@ -262,8 +308,10 @@ def test_quantized_file_loads_in_transformers(model_dirs, tmp_path):
     blocks = {t.name: t for t in GGUFReader(path).tensors}
     up = blocks["blk.1.ffn_up.weight"]
     assert up.tensor_type == GGMLQuantizationType.Q6_K
-    np.testing.assert_array_equal(model.model.layers[1].mlp.up_proj.weight.detach().numpy(),
-                                  dequantize(np.asarray(up.data), "Q6_K").reshape(768, 512))
+    np.testing.assert_array_equal(
+        model.model.layers[1].mlp.up_proj.weight.detach().numpy(),
+        dequantize(np.asarray(up.data), "Q6_K").reshape(768, 512),
+    )
     ref = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"], dtype=torch.float32).eval()
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
@@ -276,11 +324,18 @@ def test_quantized_file_loads_in_transformers(model_dirs, tmp_path):
 def test_own_quantizers_on_edge_blocks(type_name):
     """Zero, constant, one-sign and single-spike blocks: finite scales, zeros stay zero."""
     rng = np.random.default_rng(0)
-    rows = np.stack([
-        np.zeros(256), np.full(256, 0.5), np.full(256, -3.0), np.abs(rng.normal(size=256)),
-        -np.abs(rng.normal(size=256)), np.eye(256)[7] * 100.0, rng.normal(size=256) * 1e-4,
-        rng.normal(size=256) * 50,
-    ]).astype(np.float32)
+    rows = np.stack(
+        [
+            np.zeros(256),
+            np.full(256, 0.5),
+            np.full(256, -3.0),
+            np.abs(rng.normal(size=256)),
+            -np.abs(rng.normal(size=256)),
+            np.eye(256)[7] * 100.0,
+            rng.normal(size=256) * 1e-4,
+            rng.normal(size=256) * 50,
+        ]
+    ).astype(np.float32)
     packed = quantize(rows, type_name)
     block_size, type_size = gguf_writer.gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     assert packed.dtype == np.uint8 and packed.shape == (8, 256 // block_size * type_size)
@@ -333,7 +388,7 @@ def test_one_tensor_in_an_unsupported_type(model_dirs, llama_tensors, tmp_path):
     tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
     original = llama_tensors["blk.0.ffn_up.weight"]
     values = dequantize(np.asarray(tensor.data), "IQ4_NL").reshape(original.shape)
-    assert np.sqrt(((values - original) ** 2).mean() / (original ** 2).mean()) < 0.15
+    assert np.sqrt(((values - original) ** 2).mean() / (original**2).mean()) < 0.15
 
 
 def test_rejects_bad_arguments(model_dirs, tmp_path):

@@ -3,12 +3,11 @@ layer that runs quantized at the batch's row count by its blocks' bytes, with no
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import gguf
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from tandem.benchmarks.hardware_floor import decode_floor, dense_weight_elements, linear_weight_bytes
 from tandem.kernels import cpu as cpu_kernels
@@ -45,11 +44,15 @@ def test_floor_is_the_slower_of_bytes_and_flops():
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="Tandem's C++ CPU kernels are not built (no compiler)")
 def test_a_quantized_layer_counts_its_blocks_for_few_rows():
     layer = ColumnParallelLinear(256, 64)
-    blocks = gguf.quants.quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    blocks = gguf.quants.quantize(
+        np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0
+    )
     layer.weight_loader(layer.weight, GGUFWeight(blocks, gguf.GGMLQuantizationType.Q4_0, (64, 256)))
     layer.process_weights_after_loading("auto")
     model = nn.Sequential(layer)
     q_bytes = 64 * 128 + 2 * 64 * 8 * 2  # 4-bit values, float16 scale and offset per 32
-    assert linear_weight_bytes(model, QUANT_MAX_ROWS, 4) == q_bytes and dense_weight_elements(model, QUANT_MAX_ROWS) == 0
+    assert (
+        linear_weight_bytes(model, QUANT_MAX_ROWS, 4) == q_bytes and dense_weight_elements(model, QUANT_MAX_ROWS) == 0
+    )
     assert linear_weight_bytes(model, QUANT_MAX_ROWS + 1, 4) == 64 * 256 * 4
     assert dense_weight_elements(model, QUANT_MAX_ROWS + 1) == 64 * 256

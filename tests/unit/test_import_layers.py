@@ -24,7 +24,7 @@ def top_level_imports(path: Path, modules: set[str]) -> set[str]:
     for node in tree.body:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             continue
-        for sub in ([node] if not isinstance(node, (ast.If, ast.Try)) else ast.walk(node)):
+        for sub in [node] if not isinstance(node, (ast.If, ast.Try)) else ast.walk(node):
             if isinstance(sub, ast.Import):
                 found.update(a.name for a in sub.names)
             elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
@@ -42,7 +42,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)) is not None:
                 return cycle
         stack.pop()

@@ -42,9 +42,7 @@ def _build_sp() -> PreTrainedTokenizerFast:
     meta = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     base = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     base.pre_tokenizer = meta
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SP_SPECIALS, limit_alphabet=60, show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SP_SPECIALS, limit_alphabet=60, show_progress=False)
     base.train_from_iterator(CORPUS, trainer)
     # Rebuild with the 256 byte tokens as ordinary (non-special) vocabulary entries.
     trained = sorted(base.get_vocab().items(), key=lambda kv: kv[1])
@@ -55,17 +53,13 @@ def _build_sp() -> PreTrainedTokenizerFast:
         vocab[f"<0x{b:02X}>"] = len(vocab)
     for tok, _ in trained:
         vocab.setdefault(tok, len(vocab))
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
-    )
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     tok.pre_tokenizer = meta
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SP_SPECIALS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def _build_bl() -> PreTrainedTokenizerFast:
@@ -113,8 +107,13 @@ def enc(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def run(tokenizer, p: DetokenizeParams, chunks: list[list[int]], finish: dict | None = None,
-        byte_ids: frozenset[int] = frozenset()):
+def run(
+    tokenizer,
+    p: DetokenizeParams,
+    chunks: list[list[int]],
+    finish: dict | None = None,
+    byte_ids: frozenset[int] = frozenset(),
+):
     """Feed chunks one step each, the last one with `finish`; return (deltas, outputs)."""
     d = IncrementalDetokenizer(tokenizer, p, byte_ids)
     deltas, outputs = [], []
@@ -164,9 +163,7 @@ def id_sequences(draw, tokenizer, allow_random_ids=True):
         st.lists(
             st.one_of(
                 st.text(alphabet=ALPHABET, max_size=12).map(lambda t: ("text", t)),
-                st.integers(0, len(tokenizer) - 1).map(lambda i: ("id", i))
-                if allow_random_ids
-                else st.nothing(),
+                st.integers(0, len(tokenizer) - 1).map(lambda i: ("id", i)) if allow_random_ids else st.nothing(),
             ),
             min_size=1,
             max_size=8,
@@ -233,18 +230,14 @@ def test_property_stop_strings(name, data):
     full = tokenizer.decode(ids, skip_special_tokens=True)
     # Stop strings: substrings of the actual text (so they match, often across tokens)
     # and a few arbitrary short strings.
-    substr = st.integers(0, max(len(full) - 1, 0)).flatmap(
-        lambda a: st.integers(a + 1, a + 6).map(lambda b: full[a:b])
-    )
+    substr = st.integers(0, max(len(full) - 1, 0)).flatmap(lambda a: st.integers(a + 1, a + 6).map(lambda b: full[a:b]))
     stops = data.draw(
         st.lists(st.one_of(substr, st.text(alphabet="ab \n你😀", min_size=1, max_size=4)), min_size=1, max_size=3)
     )
     stops = [s for s in stops if s] or ["zz"]
     matched = data.draw(st.sampled_from(stops))
     chunks = data.draw(chunked(ids))
-    deltas, outputs = run(
-        tokenizer, params(stop=stops), chunks, {"type": "stop", "matched": matched}
-    )
+    deltas, outputs = run(tokenizer, params(stop=stops), chunks, {"type": "stop", "matched": matched})
     pos = full.find(matched)
     expected = full[:pos] if pos != -1 else full
     assert "".join(deltas) == expected
@@ -267,9 +260,7 @@ def test_property_no_stop_trim_emits_everything(name, data):
     full = tokenizer.decode(ids)
     stop = data.draw(st.text(alphabet="ab \n.", min_size=1, max_size=3))
     chunks = data.draw(chunked(ids))
-    deltas, _ = run(
-        tokenizer, params(stop=[stop], no_stop_trim=True), chunks, {"type": "stop", "matched": stop}
-    )
+    deltas, _ = run(tokenizer, params(stop=[stop], no_stop_trim=True), chunks, {"type": "stop", "matched": stop})
     assert "".join(deltas) == full
 
 
@@ -426,9 +417,7 @@ def test_stop_token_id_trimmed_when_special_tokens_kept(tok):
     ids = enc(tok, "Hello world") + [eos]
     deltas, _ = run(tok, params(skip=False), [ids], {"type": "stop", "matched": eos})
     assert "".join(deltas) == "Hello world"
-    deltas, _ = run(
-        tok, params(skip=False, no_stop_trim=True), [ids], {"type": "stop", "matched": eos}
-    )
+    deltas, _ = run(tok, params(skip=False, no_stop_trim=True), [ids], {"type": "stop", "matched": eos})
     assert "".join(deltas) == "Hello world" + tok.eos_token
 
 
@@ -501,8 +490,7 @@ def test_tiny_model_tokenizer(tmp_path):
         deltas, _ = run(tokenizer, params(), one_per_step(ids), {"type": "length"}, byte_ids)
         assert "".join(deltas) == text
         assert not any(FFFD in d for d in deltas)
-        deltas, _ = run(tokenizer, params(stop=["😀"]), one_per_step(ids), {"type": "stop", "matched": "😀"},
-                        byte_ids)
+        deltas, _ = run(tokenizer, params(stop=["😀"]), one_per_step(ids), {"type": "stop", "matched": "😀"}, byte_ids)
         assert "".join(deltas) == "Hello world 你好 "
 
 
@@ -515,10 +503,16 @@ def test_property_streamed_text_equals_full_decode_even_for_invalid_utf8(name, d
     a streamed response always ends on the same text as a non-streamed one."""
     tokenizer = TOKENIZERS[name]
     byte_ids = sorted(byte_fallback_token_ids(tokenizer))
-    pieces = data.draw(st.lists(st.one_of(
-        st.text(alphabet=ALPHABET, max_size=6).map(lambda t: enc(tokenizer, t)),
-        st.lists(st.sampled_from(byte_ids), min_size=1, max_size=4) if byte_ids else st.just([]),
-    ), min_size=1, max_size=8))
+    pieces = data.draw(
+        st.lists(
+            st.one_of(
+                st.text(alphabet=ALPHABET, max_size=6).map(lambda t: enc(tokenizer, t)),
+                st.lists(st.sampled_from(byte_ids), min_size=1, max_size=4) if byte_ids else st.just([]),
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
     ids = [i for piece in pieces for i in piece]
     d = IncrementalDetokenizer(tokenizer, params(), frozenset(byte_ids))
     streamed = "".join(d.step([i], None) for i in ids) + d.step([], {"type": "length"})
@@ -556,13 +550,14 @@ def test_first_output_piece_keeps_its_space(stories_tok):
     prompt = stories_tok.encode("Tom had a")
     full = stories_tok.encode("Tom had a big box")
     assert full[: len(prompt)] == prompt and prompt[0] == stories_tok.bos_token_id
-    out = full[len(prompt):]
+    out = full[len(prompt) :]
     assert stories_tok.decode(out) == "big box"  # what decoding the output alone gives
     for chunks in ([out], one_per_step(out) + [[]]):
         deltas, _ = run(stories_tok, params(prompt=prompt), chunks, {"type": "length"})
         assert "".join(deltas) == " big box"
-    deltas, _ = run(stories_tok, params(prompt=prompt, stop=[" box"]), one_per_step(out),
-                    {"type": "stop", "matched": " box"})
+    deltas, _ = run(
+        stories_tok, params(prompt=prompt, stop=[" box"]), one_per_step(out), {"type": "stop", "matched": " box"}
+    )
     assert "".join(deltas) == " big"
 
 
@@ -589,13 +584,22 @@ def test_property_prompt_tail_with_stop_strings(any_tok, data):
     prompt = data.draw(id_sequences(any_tok, allow_random_ids=False))
     out = data.draw(id_sequences(any_tok, allow_random_ids=False))
     head = any_tok.decode(prompt, skip_special_tokens=True)
-    text = any_tok.decode(prompt + out, skip_special_tokens=True)[len(head):]
-    stop = data.draw(st.integers(0, max(len(text) - 1, 0)).flatmap(
-        lambda a: st.integers(a + 1, a + 4).map(lambda b: text[a:b]))) or "zz"
+    text = any_tok.decode(prompt + out, skip_special_tokens=True)[len(head) :]
+    stop = (
+        data.draw(
+            st.integers(0, max(len(text) - 1, 0)).flatmap(lambda a: st.integers(a + 1, a + 4).map(lambda b: text[a:b]))
+        )
+        or "zz"
+    )
     chunks = data.draw(chunked(out))
     no_trim = data.draw(st.booleans())
-    deltas, outputs = run(any_tok, params(stop=[stop], no_stop_trim=no_trim, prompt=prompt), chunks,
-                          {"type": "stop", "matched": stop}, byte_fallback_token_ids(any_tok))
+    deltas, outputs = run(
+        any_tok,
+        params(stop=[stop], no_stop_trim=no_trim, prompt=prompt),
+        chunks,
+        {"type": "stop", "matched": stop},
+        byte_fallback_token_ids(any_tok),
+    )
     if FFFD in head + text:
         return
     expected = text if no_trim or stop not in text else text[: text.find(stop)]

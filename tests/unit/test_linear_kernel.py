@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear_kernel import PADDED_ROWS, PackedCpuLinear, can_pack, make_linear_kernel
+from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
-needs_onednn = pytest.mark.skipif(not can_pack(torch.empty(2, 2)),
-                                  reason="this PyTorch build has no oneDNN linear on CPU")
+needs_onednn = pytest.mark.skipif(
+    not can_pack(torch.empty(2, 2)), reason="this PyTorch build has no oneDNN linear on CPU"
+)
 
 
 @needs_onednn

@@ -81,8 +81,12 @@ def _read_json(path: Path) -> dict:
 def test_directory_contents(model_dirs, arch):
     names = {p.name for p in model_dirs[arch].iterdir()}
     assert names == {
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-        "special_tokens_map.json", "generation_config.json",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
     }
     assert (model_dirs[arch] / "model.safetensors").stat().st_size < 4 * 2**20
 
@@ -152,8 +156,9 @@ def test_whole_directory_is_deterministic(model_dirs, tmp_path):
         assert (again / name).read_bytes() == (model_dirs["llama"] / name).read_bytes(), name
 
 
-@pytest.mark.parametrize(("preset", "low", "high"),
-                         [("tiny", 0.1e6, 1e6), ("gguf", 3e6, 7e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6)])
+@pytest.mark.parametrize(
+    ("preset", "low", "high"), [("tiny", 0.1e6, 1e6), ("gguf", 3e6, 7e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6)]
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preset_sizes(preset, low, high, arch):
     config_dict = make_config(PRESETS[preset], 1536, arch, bos_id=1, eos_id=2)
@@ -178,7 +183,10 @@ def test_cli(tmp_path):
     out = tmp_path / "cli_model"
     result = subprocess.run(
         [sys.executable, "-m", "tandem.tools.make_tiny_model", "--arch", "qwen2", "--out", str(out), "--seed", "3"],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stderr
     assert _read_json(out / "config.json")["architectures"] == ["Qwen2ForCausalLM"]
@@ -244,7 +252,17 @@ def test_chat_template(hf_tokenizers, arch):
 
 
 FIXED_STRINGS = [
-    "", " ", "hi", " hi", "  two  spaces  ", "a\nb\tc\r\n", "日本語 😀", "café naïve", "e\u0301", "x" * 50, "\x00\x7f",
+    "",
+    " ",
+    "hi",
+    " hi",
+    "  two  spaces  ",
+    "a\nb\tc\r\n",
+    "日本語 😀",
+    "café naïve",
+    "e\u0301",
+    "x" * 50,
+    "\x00\x7f",
 ]
 
 
@@ -288,9 +306,7 @@ def test_common_words_are_single_tokens(raw_tokenizers):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_loads_without_missing_or_unexpected_weights(model_dirs, arch):
-    model, info = AutoModelForCausalLM.from_pretrained(
-        model_dirs[arch], dtype=torch.float32, output_loading_info=True
-    )
+    model, info = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert model.dtype == torch.float32
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -307,13 +323,17 @@ def test_greedy_generation_is_peaked_and_varied(hf_models, hf_tokenizers, arch):
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(
-                ids, max_new_tokens=24, do_sample=False, output_scores=True,
-                return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+                ids,
+                max_new_tokens=24,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
             )
         scores = torch.stack(out.scores)[:, 0]
         top2 = scores.topk(2, dim=-1).values
         gaps.append(top2[:, 0] - top2[:, 1])
-        distinct.append(len(set(out.sequences[0, ids.shape[1]:].tolist())))
+        distinct.append(len(set(out.sequences[0, ids.shape[1] :].tolist())))
         assert scores.std(dim=-1).mean() > 2.0  # logits spread over several units
     gaps = torch.cat(gaps)
     assert (gaps > 1e-3).float().mean() > 0.95

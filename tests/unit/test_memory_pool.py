@@ -93,7 +93,17 @@ def test_ipc_directory_is_private():
         mode = stat.S_IMODE(os.stat(args.ipc_dir).st_mode)
         assert mode == 0o700
         assert args.tokenizer_to_scheduler.startswith(f"ipc://{args.ipc_dir}/")
-        assert len({args.tokenizer_to_scheduler, args.scheduler_to_detokenizer,
-                    args.detokenizer_to_tokenizer, args.scheduler_to_tokenizer, args.ready}) == 5
+        assert (
+            len(
+                {
+                    args.tokenizer_to_scheduler,
+                    args.scheduler_to_detokenizer,
+                    args.detokenizer_to_tokenizer,
+                    args.scheduler_to_tokenizer,
+                    args.ready,
+                }
+            )
+            == 5
+        )
     finally:
         os.rmdir(args.ipc_dir)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from runner_steps import greedy_steps, make_runner
+from transformers import AutoModelForCausalLM
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70)), [1, 300, 301, 302, 9, 9]]
 STEPS = 8
@@ -24,9 +23,17 @@ def tiny_qwen3_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # spread the logits (random init leaves them near-uniform)
         model.lm_head.weight.mul_(20)
@@ -45,14 +52,18 @@ def tiny_qwen3_mtm_dir(tmp_path_factory):
 
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
 
 
-@pytest.mark.parametrize("model_fixture",
-                         ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mtm_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_mtm_dir"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_and_greedy_match_transformers(model_fixture, dtype, request):
     model_dir = request.getfixturevalue(model_fixture)
@@ -69,5 +80,6 @@ def test_logits_and_greedy_match_transformers(model_fixture, dtype, request):
         else:  # bf16 rounding (and another matmul's summation order) may flip a later near-tie
             # (the random-init Qwen3's logits are flat enough to flip at the third token)
             assert ids[i][0] == ref_ids[0], f"prompt {i}"
-            torch.testing.assert_close(logits[0][i], ref_logits[0], atol=5e-2 * ref_logits[0].abs().max().item(),
-                                       rtol=0)
+            torch.testing.assert_close(
+                logits[0][i], ref_logits[0], atol=5e-2 * ref_logits[0].abs().max().item(), rtol=0
+            )

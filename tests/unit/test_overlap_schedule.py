@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-
 from scheduler_harness import SchedulerHarness, loop_configurations
+
 from tandem.scheduler.forward_executor import ForwardStats
 from tandem.scheduler.future_map import FutureMap
 
@@ -27,13 +27,43 @@ def workload(stop: str | None = None) -> list[tuple[str, list[int], dict]]:
     p = prompts(12)
     reqs = [(f"plain-{i}", p[i], {"max_new_tokens": 4 + 5 * i}) for i in range(6)]
     reqs += [(f"sample-{k}", p[6], {"max_new_tokens": 9}) for k in range(3)]  # n > 1: same prompt
-    reqs += [("logprobs", p[7], {"max_new_tokens": 7, "logprobs": {
-        "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 2, "token_ids_logprob": [5, 9]}})]
+    reqs += [
+        (
+            "logprobs",
+            p[7],
+            {
+                "max_new_tokens": 7,
+                "logprobs": {
+                    "return_logprob": True,
+                    "top_logprobs_num": 3,
+                    "logprob_start_len": 2,
+                    "token_ids_logprob": [5, 9],
+                },
+            },
+        )
+    ]
     reqs += [("seeded", p[8], {"max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "sampling_seed": 7})]
-    reqs += [("penalties", p[9], {"max_new_tokens": 14, "temperature": 0.8, "sampling_seed": 3,
-                                  "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3})]
-    reqs += [("min-tokens", p[10], {"max_new_tokens": 10, "min_new_tokens": 6, "ignore_eos": False,
-                                    "stop_token_ids": [7, 8, 9, 10, 11, 12]})]
+    reqs += [
+        (
+            "penalties",
+            p[9],
+            {
+                "max_new_tokens": 14,
+                "temperature": 0.8,
+                "sampling_seed": 3,
+                "frequency_penalty": 0.5,
+                "presence_penalty": 0.3,
+                "repetition_penalty": 1.3,
+            },
+        )
+    ]
+    reqs += [
+        (
+            "min-tokens",
+            p[10],
+            {"max_new_tokens": 10, "min_new_tokens": 6, "ignore_eos": False, "stop_token_ids": [7, 8, 9, 10, 11, 12]},
+        )
+    ]
     reqs += [("eos", p[11], {"max_new_tokens": 40, "ignore_eos": False})]
     if stop is not None:
         reqs += [("stop", p[0], {"max_new_tokens": 30, "stop": [stop]})]
@@ -135,7 +165,8 @@ def test_abort_mid_stream(tiny_llama_dir):
             assert 0 < len(got.ids["r1"]) < 40
             assert got.ids["r1"] == full.collected.ids["r1"][: len(got.ids["r1"])]
             assert {rid: got.ids[rid] for rid in ("r0", "r2", "r3")} == {
-                rid: full.collected.ids[rid] for rid in ("r0", "r2", "r3")}
+                rid: full.collected.ids[rid] for rid in ("r0", "r2", "r3")
+            }
             h.assert_released_once()
             h.assert_memory_idle()
         finally:

@@ -12,12 +12,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tandem.distributed import TpGroup, init_tp_group
+from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.layers.linear import (
-    ColumnParallelLinear, HeadSplit, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    ColumnParallelLinear,
+    HeadSplit,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
 )
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, VocabShard
-from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -40,14 +44,17 @@ def _rank_entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:
 # ------------------------------------------------------------------ in-process: the shards
 
 
-@pytest.mark.parametrize("heads,kv_heads,tp,expected", [
-    (4, 2, 2, [(2, 1, 0), (2, 1, 1)]),
-    (8, 8, 4, [(2, 2, 0), (2, 2, 2), (2, 2, 4), (2, 2, 6)]),
-    # Fewer KV heads than ranks: each holds the KV head its query heads attend to.
-    (4, 2, 4, [(1, 1, 0), (1, 1, 0), (1, 1, 1), (1, 1, 1)]),
-    (4, 1, 2, [(2, 1, 0), (2, 1, 0)]),
-    (8, 2, 8, [(1, 1, r // 4) for r in range(8)]),
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,expected",
+    [
+        (4, 2, 2, [(2, 1, 0), (2, 1, 1)]),
+        (8, 8, 4, [(2, 2, 0), (2, 2, 2), (2, 2, 4), (2, 2, 6)]),
+        # Fewer KV heads than ranks: each holds the KV head its query heads attend to.
+        (4, 2, 4, [(1, 1, 0), (1, 1, 0), (1, 1, 1), (1, 1, 1)]),
+        (4, 1, 2, [(2, 1, 0), (2, 1, 0)]),
+        (8, 2, 8, [(1, 1, r // 4) for r in range(8)]),
+    ],
+)
 def test_head_split(heads, kv_heads, tp, expected):
     assert [tuple(vars(HeadSplit.of(heads, kv_heads, r, tp)).values()) for r in range(tp)] == expected
     for r, (num_heads, num_kv, kv_start) in enumerate(expected):  # GQA: query head h reads KV head h*kv//heads
@@ -55,13 +62,16 @@ def test_head_split(heads, kv_heads, tp, expected):
         assert wanted == set(range(kv_start, kv_start + num_kv))
 
 
-@pytest.mark.parametrize("heads,kv_heads,tp,message", [
-    (4, 2, 3, "does not divide the model's attention heads"),
-    (6, 4, 3, "does not divide the model's KV heads"),
-    (6, 2, 6, None),
-    (8, 3, 4, "is not a multiple of the model's KV heads"),
-    (12, 4, 6, "is not a multiple of the model's KV heads"),
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,message",
+    [
+        (4, 2, 3, "does not divide the model's attention heads"),
+        (6, 4, 3, "does not divide the model's KV heads"),
+        (6, 2, 6, None),
+        (8, 3, 4, "is not a multiple of the model's KV heads"),
+        (12, 4, 6, "is not a multiple of the model's KV heads"),
+    ],
+)
 def test_head_split_refuses_shapes_it_cannot_split(heads, kv_heads, tp, message):
     if message is None:
         HeadSplit.of(heads, kv_heads, 0, tp)
@@ -93,17 +103,19 @@ def test_column_shards_concatenate_to_the_whole_layer():
 def test_qkv_replicates_the_kv_head_of_each_rank():
     """4 query heads, 2 KV heads, 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1."""
     head_dim, hidden = 2, 6
-    q, k, v = (torch.arange(n * head_dim * hidden, dtype=torch.float32).reshape(n * head_dim, hidden) + off
-               for n, off in ((4, 0), (2, 1000), (2, 2000)))
+    q, k, v = (
+        torch.arange(n * head_dim * hidden, dtype=torch.float32).reshape(n * head_dim, hidden) + off
+        for n, off in ((4, 0), (2, 1000), (2, 2000))
+    )
     for rank in range(4):
         layer = QKVParallelLinear(hidden, head_dim, 4, 2, tp_rank=rank, tp_size=4)
         for name, t in (("q", q), ("k", k), ("v", v)):
             layer.weight_loader(layer.weight, t, name)
         wq, wk, wv = layer.weight.split([head_dim, head_dim, head_dim])
         kv_head = rank // 2
-        assert torch.equal(wq, q[rank * head_dim:(rank + 1) * head_dim])
-        assert torch.equal(wk, k[kv_head * head_dim:(kv_head + 1) * head_dim])
-        assert torch.equal(wv, v[kv_head * head_dim:(kv_head + 1) * head_dim])
+        assert torch.equal(wq, q[rank * head_dim : (rank + 1) * head_dim])
+        assert torch.equal(wk, k[kv_head * head_dim : (kv_head + 1) * head_dim])
+        assert torch.equal(wv, v[kv_head * head_dim : (kv_head + 1) * head_dim])
 
 
 def test_vocab_shards_pad_an_odd_vocabulary():
@@ -121,8 +133,12 @@ def test_vocab_shards_pad_an_odd_vocabulary():
 def _layers_on_rank(tp: TpGroup) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 8, generator=g)
-    w1, b1, w2, b2 = (torch.randn(12, 8, generator=g), torch.randn(12, generator=g),
-                      torch.randn(8, 12, generator=g), torch.randn(8, generator=g))
+    w1, b1, w2, b2 = (
+        torch.randn(12, 8, generator=g),
+        torch.randn(12, generator=g),
+        torch.randn(8, 12, generator=g),
+        torch.randn(8, generator=g),
+    )
     table = torch.randn(11, 8, generator=g)  # an odd vocabulary: rank 1 holds a padding row
     ids = torch.tensor([0, 5, 6, 10, 3, 10])
     col = ColumnParallelLinear(8, 12, bias=True, tp_rank=tp.rank, tp_size=tp.size)
@@ -141,9 +157,15 @@ def _layers_on_rank(tp: TpGroup) -> dict:
     info = SamplingBatchInfo.from_params(params, [0, 3, 0, 1, 0], 11, "cpu")
     sampler = Sampler(seed=5, device="cpu")
     samples = [sampler(logits * 0.2, info) for _ in range(3)]
-    return {"mlp": row(col(x)), "embed": embed(ids), "logits": logits, "samples": samples,
-            "expected_mlp": F.linear(F.linear(x, w1, b1), w2, b2), "expected_embed": F.embedding(ids, table),
-            "expected_logits": F.linear(x, table)}
+    return {
+        "mlp": row(col(x)),
+        "embed": embed(ids),
+        "logits": logits,
+        "samples": samples,
+        "expected_mlp": F.linear(F.linear(x, w1, b1), w2, b2),
+        "expected_embed": F.embedding(ids, table),
+        "expected_logits": F.linear(x, table),
+    }
 
 
 @pytest.mark.slow  # two gloo ranks in subprocesses
@@ -176,28 +198,40 @@ def _generate_on_rank(tp: TpGroup, model_dirs: list[str]) -> dict:
 
     results = {}
     for model_dir in model_dirs:
-        args = ServerArgs(model_path=model_dir, device="cpu", max_total_tokens=64, max_running_requests=4,
-                          random_seed=3, chunked_prefill_size=-1)
+        args = ServerArgs(
+            model_path=model_dir,
+            device="cpu",
+            max_total_tokens=64,
+            max_running_requests=4,
+            random_seed=3,
+            chunked_prefill_size=-1,
+        )
         runner = ModelRunner(args, tp.rank, tp.size)
         seqs = [list(p) for p in PROMPTS]
         slots = [list(range(1 + 20 * i, 1 + 20 * i + 20)) for i in range(len(seqs))]
         for i, row in enumerate(slots):
             runner.req_to_token_pool.write(i, 0, torch.tensor(row))
-        fb = ForwardBatch.for_rows(ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * len(seqs),
-                            [len(s) for s in seqs], slots)
+        fb = ForwardBatch.for_rows(
+            ForwardMode.EXTEND, [t for s in seqs for t in s], [0] * len(seqs), [len(s) for s in seqs], slots
+        )
         logits = [runner.forward(fb).next_token_logits]
         for _ in range(DECODE_STEPS):
             for s, nxt in zip(seqs, logits[-1].argmax(-1).tolist()):
                 s.append(nxt)
-            fb = ForwardBatch.for_rows(ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs],
-                                [1] * len(seqs), slots)
+            fb = ForwardBatch.for_rows(
+                ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], [1] * len(seqs), slots
+            )
             logits.append(runner.forward(fb).next_token_logits)
         params = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (5, None, 9)]
         info = SamplingBatchInfo.from_params(params, [0, 0, 4], runner.vocab_size, "cpu")
         batch_logits = torch.cat([logits[-1], logits[-1][:1]])
         sampled = [runner.sample(batch_logits, info).tolist() for _ in range(4)]
-        results[model_dir] = {"logits": logits, "sampled": sampled, "kv_tokens": runner.max_total_num_tokens,
-                              "kv_heads": runner.num_kv_heads}
+        results[model_dir] = {
+            "logits": logits,
+            "sampled": sampled,
+            "kv_tokens": runner.max_total_num_tokens,
+            "kv_heads": runner.num_kv_heads,
+        }
     return results
 
 

@@ -30,13 +30,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel
+
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.layers.quantization.gguf_repack import repack
+from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.model_executor.gguf_loader import GGUFWeight
 
 QT = gguf.GGMLQuantizationType
@@ -49,8 +49,9 @@ def gguf_weight(name: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
 
 
 def run(packed, x: torch.Tensor) -> torch.Tensor:
-    return ops.quant_linear(x, *(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)),
-                            packed.bits, packed.group)
+    return ops.quant_linear(
+        x, *(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)), packed.bits, packed.group
+    )
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -66,8 +67,12 @@ def test_extreme_bytes():
 def check_variant(march: str, isa: str) -> None:
     """The kernel built with `-march=MARCH`, loaded in a subprocess (its ops have the same
     names), has paths `isa` and passes the same checks on every type."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "quant_kernel_checks.py"), march],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "quant_kernel_checks.py"), march],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [isa, "ok"]
 
@@ -84,8 +89,11 @@ def test_kernel_builds_for_other_cpus(march, isa):
 
 def compiler_accepts(flag: str) -> bool:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    return cxx is not None and subprocess.run([cxx, flag, "-x", "c++", "-E", "-"], input="",
-                                              capture_output=True, text=True).returncode == 0
+    return (
+        cxx is not None
+        and subprocess.run([cxx, flag, "-x", "c++", "-E", "-"], input="", capture_output=True, text=True).returncode
+        == 0
+    )
 
 
 def cpu_flags() -> set[str]:
@@ -104,8 +112,9 @@ def test_kernel_builds_for_avx_vnni():
     march = "x86-64-v3 -mavxvnni"
     cpu_kernels.build((cpu_kernels.CSRC / "quant_linear_cpu.cpp",), march)
     if "avx_vnni" not in cpu_flags():
-        pytest.skip("this CPU lacks AVX-VNNI (no avx_vnni in /proc/cpuinfo): the variant compiles, "
-                    "its checks need the CPU")
+        pytest.skip(
+            "this CPU lacks AVX-VNNI (no avx_vnni in /proc/cpuinfo): the variant compiles, its checks need the CPU"
+        )
     check_variant(march, "avx_vnni,avx2")
 
 
@@ -172,8 +181,9 @@ def test_dense_only_without_a_layout_or_with_the_torch_backend():
     assert torch_backend.quant_kernel is None and torch_backend.kernel is None
 
 
-@pytest.mark.parametrize("name,half", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("Q5_1", True),
-                                       ("Q4_K", False), ("Q6_K", False)])
+@pytest.mark.parametrize(
+    "name,half", [("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("Q5_1", True), ("Q4_K", False), ("Q6_K", False)]
+)
 def test_scales_are_float16_where_that_is_exact(name, half):
     layer = MergedColumnParallelLinear(256, [64], bias=False)
     layer.weight_loader(layer.weight, gguf_weight(name, 64, 256), 0)

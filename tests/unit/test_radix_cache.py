@@ -34,8 +34,7 @@ POOL_SIZE = 40
 
 
 def make_pool(size: int = POOL_SIZE) -> TokenToKVPool:
-    return TokenToKVPool(size, num_layers=1, num_kv_heads=1, head_dim=1,
-                         dtype=torch.float32, device="cpu")
+    return TokenToKVPool(size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu")
 
 
 def alloc(pool: TokenToKVPool, n: int) -> torch.Tensor:
@@ -80,8 +79,9 @@ def check_memory(cache: RadixCache, pool: TokenToKVPool, private: list[torch.Ten
     n_private = sum(int(t.numel()) for t in private)
     assert pool.available_size() + cache.total_size() + n_private == pool.size
     everything = torch.cat([pool._free_slots, cache.all_values(), *private])
-    assert torch.equal(torch.sort(everything).values, torch.arange(1, pool.size + 1)), \
+    assert torch.equal(torch.sort(everything).values, torch.arange(1, pool.size + 1)), (
         "a slot is lost, duplicated, or both free and in use"
+    )
 
 
 def check_sizes(cache: RadixCache) -> None:
@@ -239,8 +239,7 @@ def test_lru_parent_becomes_evictable_leaf():
     cache.insert([5, 5, 5], alloc(pool, 3))
     # Stamps: (3) oldest < (1,2) < (4) < (5,5,5).
     assert cache.evict(1) == 1
-    assert sorted(tree_contents(cache)) == sorted(
-        [(1,), (1, 2), (1, 2, 4), (5,), (5, 5), (5, 5, 5)])
+    assert sorted(tree_contents(cache)) == sorted([(1,), (1, 2), (1, 2, 4), (5,), (5, 5), (5, 5, 5)])
     assert cache.evict(1) == 1  # (4): (1,2) is not a leaf yet
     assert cache.evict(1) == 2  # (1,2) became an unlocked leaf older than (5,5,5)
     assert sorted(tree_contents(cache)) == [(5,), (5, 5), (5, 5, 5)]
@@ -405,9 +404,13 @@ class RadixCacheMachine(RuleBasedStateMachine):
         nodes = {}
         for node, before in iter_nodes(self.cache):
             nodes[node.id] = dict(
-                node=node, parent=None if node.parent is self.cache.root_node else node.parent.id,
-                size=len(node.key), stamp=node.last_access, locked=node.lock_ref > 0,
-                prefixes=[before + tuple(node.key[: i + 1]) for i in range(len(node.key))])
+                node=node,
+                parent=None if node.parent is self.cache.root_node else node.parent.id,
+                size=len(node.key),
+                stamp=node.last_access,
+                locked=node.lock_ref > 0,
+                prefixes=[before + tuple(node.key[: i + 1]) for i in range(len(node.key))],
+            )
         alive = set(nodes)
         freed = 0
         evicted: list[tuple] = []
@@ -542,7 +545,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
             return
         for node, _ in self.locks:
             self.cache.dec_lock_ref(node)
-        # Idle server invariant (docs/architecture.md, "KV memory and the radix cache"): free + evictable == total, no locks left.
+        # Idle server invariant (docs/architecture.md, "KV memory and the radix cache"):
+        # free + evictable == total, no locks left.
         for t in self.private:
             self.pool.free(t)
         assert self.cache.protected_size() == 0
@@ -552,6 +556,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 
 RadixCacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestRadixCacheStateful = RadixCacheMachine.TestCase

@@ -11,8 +11,10 @@ import shutil
 
 import pytest
 import zmq
+from scheduler_harness import SchedulerHarness
 
 from tandem.detokenizer.detokenizer_manager import DetokenizerManager
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.messages import (
     AbortReq,
     BatchStrOutput,
@@ -21,12 +23,9 @@ from tandem.messages import (
     ReqOutput,
     TokenizedGenerateReqInput,
 )
-from tandem.entrypoints.native_protocol import GenerateReqInput
-from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.server_args import PortArgs, ServerArgs
+from tandem.tokenizer.tokenizer_manager import TokenizerManager
 from tandem.utils import zmq_io
-
-from scheduler_harness import SchedulerHarness
 
 
 @pytest.fixture
@@ -66,8 +65,9 @@ GOOD = {"type": "length", "length": 6}
 
 def test_scheduler_request_whose_input_raises_ends_alone(harness):
     harness.submit("good")
-    harness.scheduler.process_input_requests([TokenizedGenerateReqInput(
-        rid="bad", input_ids=[1, 2], sampling_params=None)])  # handle_generate_request raises
+    harness.scheduler.process_input_requests(
+        [TokenizedGenerateReqInput(rid="bad", input_ids=[1, 2], sampling_params=None)]
+    )  # handle_generate_request raises
     finishes = harness.run_until_idle()
     assert_error_finish(finishes["bad"], "handling its input", "AttributeError")
     assert finishes["good"] == GOOD
@@ -110,14 +110,25 @@ def test_scheduler_failing_forward_is_fatal(harness):
 
 # ---- detokenizer ----------------------------------------------------------------------
 def detok_params() -> DetokenizeParams:
-    return DetokenizeParams(skip_special_tokens=True, spaces_between_special_tokens=True, stop=[], no_stop_trim=False,
-                            stream=True)
+    return DetokenizeParams(
+        skip_special_tokens=True, spaces_between_special_tokens=True, stop=[], no_stop_trim=False, stream=True
+    )
 
 
 def token_output(rows: list[tuple[str, list[int], dict | None, DetokenizeParams | None]]) -> BatchTokenIDOutput:
-    return BatchTokenIDOutput([ReqOutput(rid=rid, new_token_ids=ids, finished_reason=finished, prompt_tokens=2,
-                                         completion_tokens=len(ids), detokenize_params=params)
-                               for rid, ids, finished, params in rows])
+    return BatchTokenIDOutput(
+        [
+            ReqOutput(
+                rid=rid,
+                new_token_ids=ids,
+                finished_reason=finished,
+                prompt_tokens=2,
+                completion_tokens=len(ids),
+                detokenize_params=params,
+            )
+            for rid, ids, finished, params in rows
+        ]
+    )
 
 
 def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_args):
@@ -130,16 +141,18 @@ def test_detokenizer_request_whose_step_raises_ends_alone(tiny_llama_dir, port_a
 
 def _check_detokenizer_wall(manager: DetokenizerManager) -> None:
     huge = 2**40  # decode() raises OverflowError
-    out = manager.handle_batch_token_id_out(token_output([
-        ("good", [5, 6], None, detok_params()), ("bad", [5, huge], None, detok_params())]))
+    out = manager.handle_batch_token_id_out(
+        token_output([("good", [5, 6], None, detok_params()), ("bad", [5, huge], None, detok_params())])
+    )
     assert [o.rid for o in out.outputs] == ["good", "bad"] and out.outputs[1].text_delta == ""
     assert out.outputs[0].finished_reason is None
     assert_error_finish(out.outputs[1].finished_reason, "detokenizing its output", "OverflowError")
     assert set(manager.states) == {"good"}
     # The scheduler's later outputs of "bad" (until its abort arrives) pass with no text;
     # an abort keeps its own reason.
-    late = manager.handle_batch_token_id_out(token_output([
-        ("bad", [7], None, None), ("good", [huge], {"type": "abort", "message": "aborted"}, None)]))
+    late = manager.handle_batch_token_id_out(
+        token_output([("bad", [7], None, None), ("good", [huge], {"type": "abort", "message": "aborted"}, None)])
+    )
     assert [o.text_delta for o in late.outputs] == ["", ""]
     assert [o.finished_reason for o in late.outputs] == [None, {"type": "abort", "message": "aborted"}]
     assert manager.states == {}
@@ -147,8 +160,19 @@ def _check_detokenizer_wall(manager: DetokenizerManager) -> None:
 
 # ---- tokenizer manager ------------------------------------------------------------------
 def str_output(rid: str, text: str, ids: list[int], finished: dict | None, logprobs=None) -> BatchStrOutput:
-    return BatchStrOutput([ReqOutput(rid=rid, new_token_ids=ids, finished_reason=finished, prompt_tokens=3,
-                                     completion_tokens=len(ids), text_delta=text, output_token_logprobs=logprobs)])
+    return BatchStrOutput(
+        [
+            ReqOutput(
+                rid=rid,
+                new_token_ids=ids,
+                finished_reason=finished,
+                prompt_tokens=3,
+                completion_tokens=len(ids),
+                text_delta=text,
+                output_token_logprobs=logprobs,
+            )
+        ]
+    )
 
 
 async def _generate(tm: TokenizerManager, **kwargs):
@@ -159,8 +183,13 @@ def run_with_manager(model_dir, port_args, body) -> None:
     """Run `await body(tm, scheduler_in)` against an in-process TokenizerManager whose
     requests arrive on the PULL socket `scheduler_in`; close both afterwards."""
     scheduler_in = pull(port_args.tokenizer_to_scheduler)
-    info = {"context_length": 2048, "vocab_size": 512, "max_total_num_tokens": 4096, "max_running_requests": 8,
-            "eos_token_ids": []}
+    info = {
+        "context_length": 2048,
+        "vocab_size": 512,
+        "max_total_num_tokens": 4096,
+        "max_running_requests": 8,
+        "eos_token_ids": [],
+    }
 
     async def run() -> None:
         tm = TokenizerManager(ServerArgs(model_path=str(model_dir)), port_args, info)
@@ -217,6 +246,7 @@ def test_tokenizer_manager_routes_by_internal_id_and_fails_one_request(tiny_llam
 def test_tokenizer_manager_stream_keeps_outputs_that_arrive_while_a_chunk_is_out(tiny_llama_dir, port_args):
     """A streamed chunk is out with its consumer (e.g. the route awaiting admission) when the
     request's remaining outputs, its finish included, arrive: none of them is lost."""
+
     async def body(tm: TokenizerManager, scheduler_in: zmq.Socket) -> None:
         [stream] = await tm.generate_request(GenerateReqInput(text="hello world", stream=True), incremental=True)
         [msg] = drain(scheduler_in)

@@ -11,14 +11,17 @@ import torch
 from tandem.model_executor.model_runner import resolve_dtype
 
 
-@pytest.mark.parametrize("config_dtype, native, expected", [
-    ("bfloat16", True, torch.bfloat16),
-    ("float16", True, torch.bfloat16),
-    (torch.bfloat16, True, torch.bfloat16),
-    ("bfloat16", False, torch.float32),
-    ("float32", True, torch.float32),
-    (None, True, torch.float32),
-])
+@pytest.mark.parametrize(
+    "config_dtype, native, expected",
+    [
+        ("bfloat16", True, torch.bfloat16),
+        ("float16", True, torch.bfloat16),
+        (torch.bfloat16, True, torch.bfloat16),
+        ("bfloat16", False, torch.float32),
+        ("float32", True, torch.float32),
+        (None, True, torch.float32),
+    ],
+)
 def test_auto_on_cpu(config_dtype, native, expected):
     config = SimpleNamespace(torch_dtype=config_dtype)
     assert resolve_dtype("auto", config, "cpu", native_bf16=native) == expected

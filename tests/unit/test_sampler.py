@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.sampler import (Sampler, SamplingBatchInfo, _filter_probs, bits_to_uniform, seeded_bits,
-                                   seeded_exponential)
+from tandem.layers.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    _filter_probs,
+    bits_to_uniform,
+    seeded_bits,
+    seeded_exponential,
+)
 from tandem.sampling.sampling_params import SamplingParams
 
 
@@ -21,7 +27,9 @@ def test_greedy_is_argmax():
 
 def test_filters():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    keep = lambda k, p, m: (_filter_probs(probs, torch.tensor([k]), torch.tensor([p]), torch.tensor([m])) > 0)[0].tolist()
+    keep = lambda k, p, m: (_filter_probs(probs, torch.tensor([k]), torch.tensor([p]), torch.tensor([m])) > 0)[
+        0
+    ].tolist()
     assert keep(2, 1.0, 0.0) == [True, True, False, False]
     assert keep(4, 0.7, 0.0) == [True, True, False, False]  # 0.5 < 0.7, then 0.8 >= 0.7
     assert keep(4, 0.45, 0.0) == [True, False, False, False]
@@ -43,8 +51,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(3, 50)
     seeded = SamplingParams(temperature=1.0, sampling_seed=42)
     a = Sampler(1, "cpu")(logits[:1], info([seeded], vocab=50, output_lens=[5]))
-    b = Sampler(2, "cpu")(logits, info([seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)],
-                                       vocab=50, output_lens=[5, 0, 3]))
+    b = Sampler(2, "cpu")(
+        logits,
+        info(
+            [seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)], vocab=50, output_lens=[5, 0, 3]
+        ),
+    )
     assert a[0] == b[0]
     draws = {Sampler(0, "cpu")(logits[:1], info([seeded], vocab=50, output_lens=[n])).item() for n in range(30)}
     assert len(draws) > 1, "the step index must vary the draw"
@@ -99,7 +111,7 @@ def test_uniform_is_strictly_inside_0_1_in_float32():
 def test_extreme_counter_gives_positive_noise():
     seeds = info([SamplingParams(temperature=1.0, sampling_seed=EXTREME_SEED)], vocab=4).seeds
     steps = torch.tensor([EXTREME_STEP])
-    assert (seeded_bits(seeds, steps, 4)[0, EXTREME_TOKEN] >> 8).item() == 2 ** 24 - 1
+    assert (seeded_bits(seeds, steps, 4)[0, EXTREME_TOKEN] >> 8).item() == 2**24 - 1
     noise = seeded_exponential(seeds, steps, 4)[0]
     assert torch.isfinite(noise).all() and (noise > 0).all(), noise.tolist()
 

@@ -17,28 +17,31 @@ def test_defaults_and_coercions():
     assert SamplingParams.from_dict({"max_new_tokens": None}).max_new_tokens == 128
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"max_new_tokens": 1.5}, "max_new_tokens"),
-    ({"max_new_tokens": True}, "max_new_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"stop": [1, 2]}, "stop"),
-    ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"skip_special_tokens": 1}, "skip_special_tokens"),
-    ({"sampling_seed": "x"}, "sampling_seed"),
-    ({"n": 0}, "n"),
-    ({"frequency_penalty": 3.0}, "frequency_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"sampling_seed": "x"}, "sampling_seed"),
+        ({"n": 0}, "n"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ],
+)
 def test_invalid_values_name_the_field(params, field):
     with pytest.raises(ValueError, match=f"sampling_params.{field}"):
         SamplingParams.from_dict(params)
@@ -51,21 +54,24 @@ def test_stop_token_ids_checked_against_vocab():
         p.verify(vocab_size=50)
 
 
-@pytest.mark.parametrize("body, field", [
-    ({}, "text/input_ids"),
-    ({"text": "a", "input_ids": [1]}, "text/input_ids"),
-    ({"text": []}, "text"),
-    ({"text": ["a", 3]}, "text"),
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, "2"]}, "input_ids"),
-    ({"input_ids": [[1], []]}, "input_ids"),
-    ({"text": "a", "stream": 1}, "stream"),
-    ({"text": "a", "rid": ""}, "rid"),
-    ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
-    ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
-    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
-    ({"text": "a", "lora_path": "adapter"}, "lora_path"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "text/input_ids"),
+        ({"text": "a", "input_ids": [1]}, "text/input_ids"),
+        ({"text": []}, "text"),
+        ({"text": ["a", 3]}, "text"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, "2"]}, "input_ids"),
+        ({"input_ids": [[1], []]}, "input_ids"),
+        ({"text": "a", "stream": 1}, "stream"),
+        ({"text": "a", "rid": ""}, "rid"),
+        ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
+        ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+        ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"text": "a", "lora_path": "adapter"}, "lora_path"),
+    ],
+)
 def test_generate_request_shape_errors(body, field):
     with pytest.raises(ValueError, match=field.replace("/", ".")):
         GenerateReqInput.from_json(body)
@@ -78,20 +84,23 @@ def test_batch_items_pick_their_own_params():
     assert second.text == "b" and second.sampling_params == {"n": 2} and second.rid == "r2" and not second.is_batch
 
 
-@pytest.mark.parametrize("params, field, words", [
-    ({"top_k": 2**63}, "top_k", "<= 9223372036854775807"),
-    ({"max_new_tokens": 2**63}, "max_new_tokens", "<="),
-    ({"sampling_seed": -(2**63) - 1}, "sampling_seed", ">="),
-    ({"sampling_seed": 2**64}, "sampling_seed", "<="),
-    ({"stop_token_ids": [2**63]}, "stop_token_ids", "<="),
-    ({"n": 129}, "n", "<= 128"),
-    ({"temperature": float("inf")}, "temperature", "finite"),
-    ({"temperature": 10**400}, "temperature", "finite"),
-    ({"top_p": float("nan")}, "top_p", "finite"),
-    ({"frequency_penalty": float("-inf")}, "frequency_penalty", "finite"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty", "finite"),
-    ({"min_p": float("nan")}, "min_p", "finite"),
-])
+@pytest.mark.parametrize(
+    "params, field, words",
+    [
+        ({"top_k": 2**63}, "top_k", "<= 9223372036854775807"),
+        ({"max_new_tokens": 2**63}, "max_new_tokens", "<="),
+        ({"sampling_seed": -(2**63) - 1}, "sampling_seed", ">="),
+        ({"sampling_seed": 2**64}, "sampling_seed", "<="),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids", "<="),
+        ({"n": 129}, "n", "<= 128"),
+        ({"temperature": float("inf")}, "temperature", "finite"),
+        ({"temperature": 10**400}, "temperature", "finite"),
+        ({"top_p": float("nan")}, "top_p", "finite"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty", "finite"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty", "finite"),
+        ({"min_p": float("nan")}, "min_p", "finite"),
+    ],
+)
 def test_numbers_that_reach_tensors_are_bounded(params, field, words):
     with pytest.raises(ValueError, match=f"sampling_params.{field}: .*{words}"):
         SamplingParams.from_dict(params)

@@ -7,14 +7,25 @@ loops (overlap and normal)."""
 from __future__ import annotations
 
 import pytest
-
 from scheduler_harness import SchedulerHarness
+
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 
-SYSTEM = ("You are a helpful assistant who answers questions about the weather, the sea, "
-          "and small animals in a friendly and careful way. ")
-PROMPTS = [SYSTEM + q for q in ["What is rain?", "Why is the sea salty?", "Do cats like boats?",
-                                "Tell me about clouds.", "What do rabbits eat?", "Is fog cold?"]]
+SYSTEM = (
+    "You are a helpful assistant who answers questions about the weather, the sea, "
+    "and small animals in a friendly and careful way. "
+)
+PROMPTS = [
+    SYSTEM + q
+    for q in [
+        "What is rain?",
+        "Why is the sea salty?",
+        "Do cats like boats?",
+        "Tell me about clouds.",
+        "What do rabbits eat?",
+        "Is fog cold?",
+    ]
+]
 PROMPTS += ["A completely different prompt with no shared prefix at all.", SYSTEM]
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": False}
 LOOPS = ["overlap", "normal"]
@@ -55,16 +66,20 @@ def reference(tiny_llama_dir, tokenized) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("server_args", [
-    {},
-    {"disable_radix_cache": True},
-    {"chunked_prefill_size": 16},
-    {"chunked_prefill_size": 7, "schedule_policy": "lpm"},
-    {"chunked_prefill_size": -1, "schedule_policy": "lpm"},
-    {"disable_radix_cache": True, "chunked_prefill_size": 5},
-    {"enable_mixed_chunk": True},
-    {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
-], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
+@pytest.mark.parametrize(
+    "server_args",
+    [
+        {},
+        {"disable_radix_cache": True},
+        {"chunked_prefill_size": 16},
+        {"chunked_prefill_size": 7, "schedule_policy": "lpm"},
+        {"chunked_prefill_size": -1, "schedule_policy": "lpm"},
+        {"disable_radix_cache": True, "chunked_prefill_size": 5},
+        {"enable_mixed_chunk": True},
+        {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
+    ],
+    ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default",
+)
 def test_outputs_do_not_change_with_features(tiny_llama_dir, tokenized, reference, loop, server_args):
     h = open_harness(tiny_llama_dir, loop, **server_args)
     try:
@@ -105,8 +120,11 @@ def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop,
     such forward into its prefill and decode parts)."""
     mixed_attention_calls = []
     split = TorchNativeAttnBackend._forward_mixed
-    monkeypatch.setattr(TorchNativeAttnBackend, "_forward_mixed",
-                        lambda self, *args: mixed_attention_calls.append(args[0]) or split(self, *args))
+    monkeypatch.setattr(
+        TorchNativeAttnBackend,
+        "_forward_mixed",
+        lambda self, *args: mixed_attention_calls.append(args[0]) or split(self, *args),
+    )
     logprobs = {"return_logprob": True, "logprob_start_len": 0}
     ref = open_harness(tiny_llama_dir, loop)
     try:
@@ -153,6 +171,7 @@ def test_chunked_prefill_size_bounds_the_whole_prefill_batch(tiny_llama_dir, mon
             if batch is not None:
                 sizes.append(list(batch.extend_lens))
             return batch
+
         monkeypatch.setattr(h.scheduler.batches, "get_new_prefill_batch", recording)
         run(h, [[5 + i, 6, 7, 8, 9] for i in range(5)], {"temperature": 0, "max_new_tokens": 2})
         assert sizes and all(sum(s) <= 8 for s in sizes), sizes

@@ -4,10 +4,9 @@ stops the start naming the flag. SGLang's defaults (random seed, chunk size)."""
 
 from __future__ import annotations
 
-import os
-
 import argparse
 import logging
+import os
 
 import pytest
 
@@ -16,13 +15,28 @@ from tandem.sglang_flags import COMPAT_FLAGS
 
 # One non-default value per flag, as a user would pass it.
 SET_VALUES = {
-    "tp_size": ["0"], "dp_size": ["0"], "pp_size": ["2"], "ep_size": ["2"], "nnodes": ["0"],
-    "tokenizer_worker_num": ["0"], "load_format": ["pt"], "page_size": ["16"], "kv_cache_dtype": ["fp8_e5m2"],
-    "quantization": ["fp8"], "lora_paths": ["a=/x", "b=/y"],
-    "speculative_algorithm": ["EAGLE"], "speculative_draft_model_path": ["/draft"], "reasoning_parser": ["qwen3"],
-    "tool_call_parser": ["mistral"], "revision": ["main"], "tokenizer_mode": ["slow"],
-    "torch_compile_max_bs": ["8"], "base_gpu_id": ["-1"], "grammar_backend": ["outlines"],
-    "sampling_backend": ["flashinfer"], "decode_log_interval": ["10"],
+    "tp_size": ["0"],
+    "dp_size": ["0"],
+    "pp_size": ["2"],
+    "ep_size": ["2"],
+    "nnodes": ["0"],
+    "tokenizer_worker_num": ["0"],
+    "load_format": ["pt"],
+    "page_size": ["16"],
+    "kv_cache_dtype": ["fp8_e5m2"],
+    "quantization": ["fp8"],
+    "lora_paths": ["a=/x", "b=/y"],
+    "speculative_algorithm": ["EAGLE"],
+    "speculative_draft_model_path": ["/draft"],
+    "reasoning_parser": ["qwen3"],
+    "tool_call_parser": ["mistral"],
+    "revision": ["main"],
+    "tokenizer_mode": ["slow"],
+    "torch_compile_max_bs": ["8"],
+    "base_gpu_id": ["-1"],
+    "grammar_backend": ["outlines"],
+    "sampling_backend": ["flashinfer"],
+    "decode_log_interval": ["10"],
 }
 
 
@@ -58,27 +72,37 @@ def test_every_sglang_flag(flag, caplog):
             assert str(e.value).startswith(flag.names[0] + " ")
 
 
-@pytest.mark.parametrize("argv,dest,value", [
-    (["--tp", "1"], "tp_size", 1), (["--tensor-parallel-size", "1"], "tp_size", 1), (["--dp", "1"], "dp_size", 1),
-    (["--tp-size", "2"], "tp_size", 2), (["--tp", "4"], "tp_size", 4), (["--base-gpu-id", "1"], "base_gpu_id", 1),
-    (["--tokenizer-worker-num", "1"], "tokenizer_worker_num", 1),
-    (["--tokenizer-worker-num", "2"], "tokenizer_worker_num", 2), (["--load-format", "dummy"], "load_format", "dummy"),
-    (["--load-format", "safetensors"], "load_format", "safetensors"), (["--page-size", "1"], "page_size", 1),
-    (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
-    (["--attention-backend", "torch_native"], "attention_backend", "torch_native"),
-    (["--attention-backend", "triton"], "attention_backend", "triton"),
-    (["--disable-cuda-graph"], "disable_cuda_graph", True), (["--cuda-graph-max-bs", "8"], "cuda_graph_max_bs", 8),
-    (["--cuda-graph-bs", "1", "3"], "cuda_graph_bs", [1, 3]),
-    (["--log-level-http", "warning"], "log_level_http", "warning"),
-    (["--grammar-backend", "none"], "grammar_backend", "none"),
-    (["--tool-call-parser", "llama3"], "tool_call_parser", "llama3"),
-    (["--tool-call-parser", "qwen25"], "tool_call_parser", "qwen25"),
-    (["--tool-call-parser", "qwen"], "tool_call_parser", "qwen"),
-    (["--dp-size", "2"], "dp_size", 2), (["--load-balance-method", "shortest_queue"], "load_balance_method",
-                                         "shortest_queue"),
-    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:5000"], "nnodes", 2),
-    (["--nnodes", "2", "--node-rank", "1", "--tp", "2", "--nccl-init-addr", "h:1"], "node_rank", 1),
-])
+@pytest.mark.parametrize(
+    "argv,dest,value",
+    [
+        (["--tp", "1"], "tp_size", 1),
+        (["--tensor-parallel-size", "1"], "tp_size", 1),
+        (["--dp", "1"], "dp_size", 1),
+        (["--tp-size", "2"], "tp_size", 2),
+        (["--tp", "4"], "tp_size", 4),
+        (["--base-gpu-id", "1"], "base_gpu_id", 1),
+        (["--tokenizer-worker-num", "1"], "tokenizer_worker_num", 1),
+        (["--tokenizer-worker-num", "2"], "tokenizer_worker_num", 2),
+        (["--load-format", "dummy"], "load_format", "dummy"),
+        (["--load-format", "safetensors"], "load_format", "safetensors"),
+        (["--page-size", "1"], "page_size", 1),
+        (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
+        (["--attention-backend", "torch_native"], "attention_backend", "torch_native"),
+        (["--attention-backend", "triton"], "attention_backend", "triton"),
+        (["--disable-cuda-graph"], "disable_cuda_graph", True),
+        (["--cuda-graph-max-bs", "8"], "cuda_graph_max_bs", 8),
+        (["--cuda-graph-bs", "1", "3"], "cuda_graph_bs", [1, 3]),
+        (["--log-level-http", "warning"], "log_level_http", "warning"),
+        (["--grammar-backend", "none"], "grammar_backend", "none"),
+        (["--tool-call-parser", "llama3"], "tool_call_parser", "llama3"),
+        (["--tool-call-parser", "qwen25"], "tool_call_parser", "qwen25"),
+        (["--tool-call-parser", "qwen"], "tool_call_parser", "qwen"),
+        (["--dp-size", "2"], "dp_size", 2),
+        (["--load-balance-method", "shortest_queue"], "load_balance_method", "shortest_queue"),
+        (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:5000"], "nnodes", 2),
+        (["--nnodes", "2", "--node-rank", "1", "--tp", "2", "--nccl-init-addr", "h:1"], "node_rank", 1),
+    ],
+)
 def test_working_values_pass(argv, dest, value, caplog):
     args = _parse(*argv)
     assert getattr(args, dest) == value
@@ -102,13 +126,16 @@ def test_unknown_flag_still_rejected():
         _parse("--no-such-flag")
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--nnodes", "2", "--tp", "2"], "--dist-init-addr"),
-    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "--tp-size"),
-    (["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "h:1"], "--node-rank"),
-    (["--node-rank", "1"], "--node-rank"),
-    (["--nnodes", "2", "--tp", "2", "--dp", "2", "--dist-init-addr", "h:1"], "--dp-size"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--nnodes", "2", "--tp", "2"], "--dist-init-addr"),
+        (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "--tp-size"),
+        (["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "h:1"], "--node-rank"),
+        (["--node-rank", "1"], "--node-rank"),
+        (["--nnodes", "2", "--tp", "2", "--dp", "2", "--dist-init-addr", "h:1"], "--dp-size"),
+    ],
+)
 def test_parallelism_refused(argv, flag):
     with pytest.raises(ValueError) as e:
         _parse(*argv).validate()

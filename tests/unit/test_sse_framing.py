@@ -13,8 +13,15 @@ import pytest
 from tandem.entrypoints.native_routes import sse as native_sse
 from tandem.entrypoints.openai.common import sse
 
-TEXTS = ["plain", "line\u2028separator", "para\u2029graph", "next\u0085line", "tab\tand\nnewline\r",
-         "\x1c\x1d\x1e\x0b\x0c controls", "é 漢字 🙂"]
+TEXTS = [
+    "plain",
+    "line\u2028separator",
+    "para\u2029graph",
+    "next\u0085line",
+    "tab\tand\nnewline\r",
+    "\x1c\x1d\x1e\x0b\x0c controls",
+    "é 漢字 🙂",
+]
 
 
 @pytest.mark.parametrize("frame", [sse, native_sse])
@@ -24,4 +31,4 @@ def test_each_event_is_one_line_for_splitlines_clients(frame, text):
     assert event.endswith("\n\n")
     lines = [line for line in event.splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("data: ")
-    assert json.loads(lines[0][len("data: "):]) == {"text": text, "output_ids": [1, 2]}
+    assert json.loads(lines[0][len("data: ") :]) == {"text": text, "output_ids": [1, 2]}

@@ -13,7 +13,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest
 from tandem.entrypoints.openai.serving_chat import (
-    ChatStreamConverter, build_chat_generate_input, build_chat_response, render_chat_prompt,
+    ChatStreamConverter,
+    build_chat_generate_input,
+    build_chat_response,
+    render_chat_prompt,
 )
 from tandem.entrypoints.openai.tool_calls import resolve_tools
 from tandem.function_call.json_array_parser import JsonArrayParser, NamedFunctionParser
@@ -21,13 +24,28 @@ from tandem.function_call.qwen25_detector import Qwen25Detector
 
 MODEL = "tiny"
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "tool_calls"
-WEATHER = {"type": "function", "function": {
-    "name": "get_current_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["location"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_current_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["location"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+    },
+}
 
 
 def _chat(**kw) -> ChatCompletionRequest:
@@ -90,7 +108,9 @@ def test_required_sets_the_array_schema():
     schema = json.loads(setup.json_schema)
     assert schema["type"] == "array" and schema["maxItems"] == 1
     assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [
-        ["get_current_weather"], ["get_time"]]
+        ["get_current_weather"],
+        ["get_time"],
+    ]
     assert isinstance(setup.make_detector(), JsonArrayParser)
     obj = build_chat_generate_input(_chat(), [1], 8)
     setup.apply(obj)
@@ -98,8 +118,9 @@ def test_required_sets_the_array_schema():
 
 
 def test_named_sets_the_parameters_schema_and_shows_only_that_tool():
-    setup = resolve_tools(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function",
-                                                                     "function": {"name": "get_time"}}), None)
+    setup = resolve_tools(
+        _chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None
+    )
     assert json.loads(setup.json_schema) == TIME["function"]["parameters"]
     assert setup.template_tools == [TIME]
     detector = setup.make_detector()
@@ -115,12 +136,15 @@ def test_a_tool_constraint_does_not_join_another():
     assert e.value.param == "tool_choice" and "regex" in e.value.message
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ],
+)
 def test_malformed_tools_fields_fail_validation(body, param):
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
@@ -129,8 +153,7 @@ def test_malformed_tools_fields_fail_validation(body, param):
 
     with pytest.raises(ValidationError) as e:
         _chat(**body)
-    err = from_validation_error(RequestValidationError(
-        [{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]))
+    err = from_validation_error(RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]))
     assert err.param == param and err.message.startswith(f"{param}: ")
 
 
@@ -156,12 +179,25 @@ def test_tools_reach_the_chat_template(tokenizer):
 
 def test_earlier_calls_and_results_render_with_object_arguments(tokenizer):
     template = (FIXTURES / "qwen25_tools_template.jinja").read_text()
-    req = ChatCompletionRequest(model=MODEL, tools=[WEATHER], messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_current_weather", "arguments": "{\"location\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-    ])
+    req = ChatCompletionRequest(
+        model=MODEL,
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_current_weather", "arguments": '{"location": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ],
+    )
     text = render_chat_prompt(tokenizer, req.messages, template, [WEATHER])
     # The arguments went in as an object (tojson of a dict), not as a quoted string.
     assert '{"name": "get_current_weather", "arguments": {"location": "Paris"}}' in text
@@ -172,12 +208,19 @@ def test_earlier_calls_and_results_render_with_object_arguments(tokenizer):
 
 
 def _meta(completion_tokens, finish=None):
-    return {"id": "r", "finish_reason": finish, "prompt_tokens": 9, "completion_tokens": completion_tokens,
-            "cached_tokens": 0}
+    return {
+        "id": "r",
+        "finish_reason": finish,
+        "prompt_tokens": 9,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": 0,
+    }
 
 
-QWEN_OUTPUT = ('I will check both.\n<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Paris"}}'
-               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
+QWEN_OUTPUT = (
+    'I will check both.\n<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Paris"}}'
+    '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
+)
 EOS = {"type": "stop", "matched": 2}
 
 
@@ -186,8 +229,10 @@ def _qwen():
 
 
 def test_response_with_tool_calls_has_openai_shape():
-    outputs = [{"text": QWEN_OUTPUT, "meta_info": _meta(40, EOS)},
-               {"text": "No tools needed.", "meta_info": _meta(4, EOS)}]
+    outputs = [
+        {"text": QWEN_OUTPUT, "meta_info": _meta(40, EOS)},
+        {"text": "No tools needed.", "meta_info": _meta(4, EOS)},
+    ]
     resp = build_chat_response("chatcmpl-1", MODEL, outputs, n=2, with_logprobs=False, make_detector=_qwen)
     body = resp.model_dump()
     ChatCompletion.model_validate(body)
@@ -205,20 +250,28 @@ def test_response_with_tool_calls_has_openai_shape():
 
 def test_only_calls_gives_null_content_and_a_length_finish_stays_length():
     out = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
-    resp = build_chat_response("x", MODEL, [{"text": out, "meta_info": _meta(20, EOS)}], 1, False,
-                               make_detector=_qwen).model_dump()
+    resp = build_chat_response(
+        "x", MODEL, [{"text": out, "meta_info": _meta(20, EOS)}], 1, False, make_detector=_qwen
+    ).model_dump()
     assert resp["choices"][0]["message"]["content"] is None and resp["choices"][0]["finish_reason"] == "tool_calls"
-    cut = build_chat_response("x", MODEL, [{"text": out + "\n<tool_call>\n{", "meta_info": _meta(30, {
-        "type": "length", "length": 30})}], 1, False, make_detector=_qwen).model_dump()
+    cut = build_chat_response(
+        "x",
+        MODEL,
+        [{"text": out + "\n<tool_call>\n{", "meta_info": _meta(30, {"type": "length", "length": 30})}],
+        1,
+        False,
+        make_detector=_qwen,
+    ).model_dump()
     assert cut["choices"][0]["finish_reason"] == "length"
     assert len(cut["choices"][0]["message"]["tool_calls"]) == 1
 
 
 def test_stream_sends_content_then_one_delta_per_call_then_tool_calls_finish():
-    conv = ChatStreamConverter("chatcmpl-1", MODEL, num_choices=1, n=1, with_logprobs=False, include_usage=False,
-                               make_detector=_qwen)
+    conv = ChatStreamConverter(
+        "chatcmpl-1", MODEL, num_choices=1, n=1, with_logprobs=False, include_usage=False, make_detector=_qwen
+    )
     chunks = conv.start()
-    pieces = [QWEN_OUTPUT[i:i + 5] for i in range(0, len(QWEN_OUTPUT), 5)]
+    pieces = [QWEN_OUTPUT[i : i + 5] for i in range(0, len(QWEN_OUTPUT), 5)]
     for k, piece in enumerate(pieces):
         done = k == len(pieces) - 1
         chunks += conv.on_output(0, {"text": piece, "meta_info": _meta(k + 1, EOS if done else None)})
@@ -229,13 +282,16 @@ def test_stream_sends_content_then_one_delta_per_call_then_tool_calls_finish():
     calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert [len(c) for c in calls] == [1, 1]
     assert [(c[0]["index"], c[0]["type"], c[0]["function"]["name"]) for c in calls] == [
-        (0, "function", "get_current_weather"), (1, "function", "get_time")]
+        (0, "function", "get_current_weather"),
+        (1, "function", "get_time"),
+    ]
     assert json.loads(calls[1][0]["function"]["arguments"]) == {"timezone": "CET"}
     assert all(c[0]["id"].startswith("call_") for c in calls)
     # Content came before the first call, and no marker leaked into it.
     first_call = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
     assert all("tool_calls" not in d for d in deltas[:first_call]) and "<" not in "".join(
-        d.get("content") or "" for d in deltas)
+        d.get("content") or "" for d in deltas
+    )
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["tool_calls"]
     assert chunks[-1]["choices"][0]["matched_stop"] is None
 
@@ -246,8 +302,12 @@ def test_stream_flushes_a_call_that_ends_with_the_output():
     chunks = conv.on_output(0, {"text": '{"timezone": ', "meta_info": _meta(3)})
     assert chunks == []
     chunks = conv.on_output(0, {"text": '"UTC"}', "meta_info": _meta(5, {"type": "stop", "matched": None})})
-    assert [list(c["choices"][0]["delta"]) for c in chunks] == [["reasoning_content", "tool_calls"],
-                                                                 ["reasoning_content"]]
+    assert [list(c["choices"][0]["delta"]) for c in chunks] == [
+        ["reasoning_content", "tool_calls"],
+        ["reasoning_content"],
+    ]
     assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {
-        "name": "get_time", "arguments": '{"timezone": "UTC"}'}
+        "name": "get_time",
+        "arguments": '{"timezone": "UTC"}',
+    }
     assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
+from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.layers.attention.extend_plan import MAX_PADDED_WASTE
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.forward_batch import ForwardBatch, ForwardMode
 
 H, KVH, D = 4, 2, 8
 
@@ -21,14 +21,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int
     """q [n, H, D] at positions prefix_len.., k/v [L, kv_heads, D]: causal attention, GQA or MHA."""
     k = k.repeat_interleave(H // k.shape[1], dim=1)
     v = v.repeat_interleave(H // v.shape[1], dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * D ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
     qpos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
     scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], H * D)
 
 
-def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False,
-          kv_heads: int = KVH):
+def setup(
+    seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False, kv_heads: int = KVH
+):
     torch.manual_seed(0)
     kv = TokenToKVPool(200, 1, kv_heads, D, dtype, "cpu")
     assert all(buf[0].eq(0).all() for buf in kv.k_buffer + kv.v_buffer), "slot 0 is the zeroed padding slot"
@@ -49,11 +50,17 @@ def setup(seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_
 def batch(mode: ForwardMode, per_req, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
     n = sum(extend_lens)
     return ForwardBatch(
-        forward_mode=mode, batch_size=len(seq_lens), input_ids=torch.zeros(n, dtype=torch.int64),
-        positions=torch.zeros(n, dtype=torch.int64), out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([r[0] for r in per_req]), seq_lens=torch.tensor(seq_lens),
-        seq_lens_cpu=seq_lens, prefix_lens_cpu=[s - e for s, e in zip(seq_lens, extend_lens)],
-        extend_lens_cpu=extend_lens)
+        forward_mode=mode,
+        batch_size=len(seq_lens),
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=torch.zeros(n, dtype=torch.int64),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([r[0] for r in per_req]),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=[s - e for s, e in zip(seq_lens, extend_lens)],
+        extend_lens_cpu=extend_lens,
+    )
 
 
 @pytest.mark.parametrize("seq_lens", [[5, 9, 7], [3, 40, 2, 2]])  # similar lengths -> blocked; uneven -> segmented
@@ -62,15 +69,16 @@ def test_decode_matches_reference(seq_lens):
     q = torch.randn(len(seq_lens), H, D)
     fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
     backend.init_forward_metadata(fb)
-    out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
-    expected = torch.cat([reference(q[i : i + 1], k, v, n - 1) for i, (n, (_, _, k, v)) in
-                          enumerate(zip(seq_lens, per_req))])
+    out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D**-0.5, H, KVH, D)
+    expected = torch.cat(
+        [reference(q[i : i + 1], k, v, n - 1) for i, (n, (_, _, k, v)) in enumerate(zip(seq_lens, per_req))]
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # Both decode paths agree with each other.
     fb2 = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
     backend.init_forward_metadata(fb2)
-    a = backend._decode_blocked(q.reshape(len(seq_lens), -1), 0, fb2, D ** -0.5, H, KVH, D)
-    b = backend._decode_segmented(q.reshape(len(seq_lens), -1), 0, fb2, D ** -0.5, H, KVH, D)
+    a = backend._decode_blocked(q.reshape(len(seq_lens), -1), 0, fb2, D**-0.5, H, KVH, D)
+    b = backend._decode_segmented(q.reshape(len(seq_lens), -1), 0, fb2, D**-0.5, H, KVH, D)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -82,9 +90,10 @@ def test_bfloat16_decode_matches_float32_reference(seq_lens):
     q = torch.randn(len(seq_lens), H, D).to(torch.bfloat16)
     fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
     backend.init_forward_metadata(fb)
-    out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
-    expected = torch.cat([reference(q[i : i + 1].float(), k, v, n - 1) for i, (n, (_, _, k, v)) in
-                          enumerate(zip(seq_lens, per_req))])
+    out = backend.forward(q.reshape(len(seq_lens), -1), 0, fb, D**-0.5, H, KVH, D)
+    expected = torch.cat(
+        [reference(q[i : i + 1].float(), k, v, n - 1) for i, (n, (_, _, k, v)) in enumerate(zip(seq_lens, per_req))]
+    )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
@@ -95,9 +104,10 @@ def test_extend_with_prefix_matches_reference():
     q = torch.randn(sum(extend_lens), H, D)
     fb = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
     backend.init_forward_metadata(fb)
-    out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D ** -0.5, H, KVH, D)
-    expected = torch.cat([reference(q[:6], per_req[0][2], per_req[0][3], 0),
-                          reference(q[6:], per_req[1][2], per_req[1][3], 6)])
+    out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D**-0.5, H, KVH, D)
+    expected = torch.cat(
+        [reference(q[:6], per_req[0][2], per_req[0][3], 0), reference(q[6:], per_req[1][2], per_req[1][3], 6)]
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -130,7 +140,7 @@ def test_compiled_decode_matches_eager_without_compiling_on_a_request(dtype, tol
             fb = batch(ForwardMode.DECODE, per_req, seq_lens, [1] * len(seq_lens))
             assert backend._padded_waste_ok(fb)
             backend.init_forward_metadata(fb)
-            outs.append(backend.forward(q, 0, fb, D ** -0.5, H, KVH, D))
+            outs.append(backend.forward(q, 0, fb, D**-0.5, H, KVH, D))
     assert counters["stats"]["unique_graphs"] == compiles_before, "decode compiled on a request"
     assert outs[0].dtype == dtype
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
@@ -155,6 +165,7 @@ def test_mixed_batch_splits_into_extend_and_decode(dtype, tol, decode_lens, monk
         def call(q, layer_id, fb, *rest):
             calls.append((name, fb.forward_mode, fb.batch_size, q.shape[0]))
             return method(q, layer_id, fb, *rest)
+
         monkeypatch.setattr(backend, name, call)
 
     spy("forward_extend")
@@ -162,19 +173,22 @@ def test_mixed_batch_splits_into_extend_and_decode(dtype, tol, decode_lens, monk
     mixed = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
     mixed.num_prefill = 2
     backend.init_forward_metadata(mixed)
-    out = backend.forward(q, 0, mixed, D ** -0.5, H, KVH, D)
-    assert calls == [("forward_extend", ForwardMode.EXTEND, 2, 10),
-                     ("forward_decode", ForwardMode.DECODE, len(decode_lens), len(decode_lens))]
+    out = backend.forward(q, 0, mixed, D**-0.5, H, KVH, D)
+    assert calls == [
+        ("forward_extend", ForwardMode.EXTEND, 2, 10),
+        ("forward_decode", ForwardMode.DECODE, len(decode_lens), len(decode_lens)),
+    ]
     plain = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
     backend.init_forward_metadata(plain)
     assert backend.mixed_parts is None
-    expected_plain = backend.forward(q, 0, plain, D ** -0.5, H, KVH, D)
+    expected_plain = backend.forward(q, 0, plain, D**-0.5, H, KVH, D)
     assert out.dtype == dtype and out.shape == expected_plain.shape
     torch.testing.assert_close(out.float(), expected_plain.float(), atol=tol, rtol=tol)
     qf = q.float().view(-1, H, D)
     starts = [0, 6, 10] + [10 + i for i in range(1, len(decode_lens))]
-    expected = torch.cat([reference(qf[s : s + e], k, v, n - e) for s, e, n, (_, _, k, v)
-                          in zip(starts, extend_lens, seq_lens, per_req)])
+    expected = torch.cat(
+        [reference(qf[s : s + e], k, v, n - e) for s, e, n, (_, _, k, v) in zip(starts, extend_lens, seq_lens, per_req)]
+    )
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
@@ -197,10 +211,11 @@ def test_extend_matches_reference(reqs, kv_heads, dtype, tol):
     q = torch.randn(sum(extend_lens), H, D).to(dtype)
     fb = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
     backend.init_forward_metadata(fb)
-    out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D ** -0.5, H, kv_heads, D)
+    out = backend.forward(q.reshape(sum(extend_lens), -1), 0, fb, D**-0.5, H, kv_heads, D)
     starts = [sum(extend_lens[:i]) for i in range(len(reqs))]
-    expected = torch.cat([reference(q[s : s + n].float(), k, v, p) for s, (p, n), (_, _, k, v)
-                          in zip(starts, reqs, per_req)])
+    expected = torch.cat(
+        [reference(q[s : s + n].float(), k, v, p) for s, (p, n), (_, _, k, v) in zip(starts, reqs, per_req)]
+    )
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 

@@ -7,7 +7,6 @@ tests/conftest.py before Triton is imported); on CUDA they run compiled, and the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -31,7 +30,7 @@ class Pools:
         self.rows = ReqToTokenPool(2 * len(seq_lens), max(seq_lens) + 4, DEVICE)
         slots = (torch.randperm(total + 8)[:total] + 1).to(DEVICE).split(seq_lens)
         self.row_ids = []
-        for n, own in zip(seq_lens, slots):
+        for own in slots:
             self.rows.alloc()  # every other row stays unused
             row = self.rows.alloc()
             self.rows.write(row, 0, own)
@@ -43,10 +42,17 @@ class Pools:
         n = sum(extend_lens)
         zeros = torch.zeros(n, dtype=torch.int64, device=DEVICE)
         return ForwardBatch(
-            forward_mode=mode, batch_size=len(seq_lens), input_ids=zeros, positions=zeros, out_cache_loc=zeros,
+            forward_mode=mode,
+            batch_size=len(seq_lens),
+            input_ids=zeros,
+            positions=zeros,
+            out_cache_loc=zeros,
             req_pool_indices=torch.tensor(self.row_ids, device=DEVICE),
-            seq_lens=torch.tensor(seq_lens, device=DEVICE), seq_lens_cpu=seq_lens,
-            prefix_lens_cpu=[s - e for s, e in zip(seq_lens, extend_lens)], extend_lens_cpu=extend_lens)
+            seq_lens=torch.tensor(seq_lens, device=DEVICE),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=[s - e for s, e in zip(seq_lens, extend_lens)],
+            extend_lens_cpu=extend_lens,
+        )
 
     def backends(self, heads: int, head_dim: int):
         return (TritonAttnBackend(self.rows, self.kv, heads, head_dim), TorchNativeAttnBackend(self.rows, self.kv))
@@ -54,43 +60,51 @@ class Pools:
 
 def run(backend, q: torch.Tensor, fb: ForwardBatch, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     backend.init_forward_metadata(fb)
-    return backend.forward(q.reshape(q.shape[0], -1), 0, fb, head_dim ** -0.5, heads, kv_heads, head_dim)
+    return backend.forward(q.reshape(q.shape[0], -1), 0, fb, head_dim**-0.5, heads, kv_heads, head_dim)
 
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
-@pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim", [
-    ([1, 7, 33, 2], 4, 4, 16),  # MHA, short ragged contexts (one split each)
-    ([700, 3, 129], 8, 2, 32),  # GQA 4: a long context runs on all KV splits
-    ([65, 300], 8, 1, 48),  # MQA (group 8), head_dim not a power of two
-    ([5, 90], 32, 2, 16),  # group 16: one full block of query heads per KV head
-    ([40, 2], 32, 1, 16),  # group 32: two blocks of query heads share the KV head
-    ([9, 70], 48, 2, 16),  # group 24: a group's heads fill one block and part of the next
-    ([33, 4], 40, 2, 16),  # group 20: the second block of a group is mostly padding
-    ([12], 36, 3, 16),  # group 12 (below 16, not dividing 16) over three KV heads
-])
+@pytest.mark.parametrize(
+    "seq_lens,heads,kv_heads,head_dim",
+    [
+        ([1, 7, 33, 2], 4, 4, 16),  # MHA, short ragged contexts (one split each)
+        ([700, 3, 129], 8, 2, 32),  # GQA 4: a long context runs on all KV splits
+        ([65, 300], 8, 1, 48),  # MQA (group 8), head_dim not a power of two
+        ([5, 90], 32, 2, 16),  # group 16: one full block of query heads per KV head
+        ([40, 2], 32, 1, 16),  # group 32: two blocks of query heads share the KV head
+        ([9, 70], 48, 2, 16),  # group 24: a group's heads fill one block and part of the next
+        ([33, 4], 40, 2, 16),  # group 20: the second block of a group is mostly padding
+        ([12], 36, 3, 16),  # group 12 (below 16, not dividing 16) over three KV heads
+    ],
+)
 def test_decode_matches_torch_native(seq_lens, heads, kv_heads, head_dim):
     pools = Pools(seq_lens, kv_heads, head_dim)
     fb = pools.batch(ForwardMode.DECODE, seq_lens, [1] * len(seq_lens))
     q = torch.randn(len(seq_lens), heads, head_dim, device=DEVICE)
     triton_backend, native = pools.backends(heads, head_dim)
-    torch.testing.assert_close(run(triton_backend, q, fb, heads, kv_heads, head_dim),
-                               run(native, q, fb, heads, kv_heads, head_dim), **TOL)
+    torch.testing.assert_close(
+        run(triton_backend, q, fb, heads, kv_heads, head_dim), run(native, q, fb, heads, kv_heads, head_dim), **TOL
+    )
 
 
-@pytest.mark.parametrize("seq_lens,extend_lens,heads,kv_heads,head_dim", [
-    ([5, 57, 90], [5, 17, 40], 4, 2, 16),  # no prefix; cached prefixes of 40 and 50 (radix hits)
-    ([1, 70], [1, 70], 6, 3, 24),  # a one-token prompt beside a prompt of several query blocks
-    ([100], [3], 8, 1, 32),  # short new part on a long prefix, MQA
-])
+@pytest.mark.parametrize(
+    "seq_lens,extend_lens,heads,kv_heads,head_dim",
+    [
+        ([5, 57, 90], [5, 17, 40], 4, 2, 16),  # no prefix; cached prefixes of 40 and 50 (radix hits)
+        ([1, 70], [1, 70], 6, 3, 24),  # a one-token prompt beside a prompt of several query blocks
+        ([100], [3], 8, 1, 32),  # short new part on a long prefix, MQA
+    ],
+)
 def test_extend_matches_torch_native(seq_lens, extend_lens, heads, kv_heads, head_dim):
     pools = Pools(seq_lens, kv_heads, head_dim)
     fb = pools.batch(ForwardMode.EXTEND, seq_lens, extend_lens)
     q = torch.randn(sum(extend_lens), heads, head_dim, device=DEVICE)
     triton_backend, native = pools.backends(heads, head_dim)
-    torch.testing.assert_close(run(triton_backend, q, fb, heads, kv_heads, head_dim),
-                               run(native, q, fb, heads, kv_heads, head_dim), **TOL)
+    torch.testing.assert_close(
+        run(triton_backend, q, fb, heads, kv_heads, head_dim), run(native, q, fb, heads, kv_heads, head_dim), **TOL
+    )
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -119,5 +133,9 @@ def test_bfloat16_decode_and_extend_on_gpu():
     for mode, ext in ((ForwardMode.DECODE, [1] * 4), (ForwardMode.EXTEND, extend_lens)):
         fb = pools.batch(mode, seq_lens, ext)
         q = torch.randn(sum(ext), heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
-        torch.testing.assert_close(run(triton_backend, q, fb, heads, kv_heads, head_dim),
-                                   run(native, q, fb, heads, kv_heads, head_dim), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            run(triton_backend, q, fb, heads, kv_heads, head_dim),
+            run(native, q, fb, heads, kv_heads, head_dim),
+            atol=2e-2,
+            rtol=2e-2,
+        )

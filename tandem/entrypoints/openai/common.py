@@ -5,17 +5,17 @@ finish reasons, logprob entries and SSE framing."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
-
-from tandem.entrypoints.openai.errors import OpenAIError
-from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, refusal
-from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
 from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.protocol import UsageInfo, _SamplingFields
+from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, refusal
 
 SSE_DONE = b"data: [DONE]\n\n"
 # OpenAI reports -9999.0 where a logprob is -inf (JSON has no infinity).
@@ -54,8 +54,9 @@ def reject_unsupported(req: _SamplingFields) -> None:
     """400 naming the first field whose feature is not implemented, if set to a non-neutral value."""
     bad = req.unsupported_fields()
     if bad:
-        raise OpenAIError(f"{bad[0]}: not supported yet (only the neutral/default value is accepted)",
-                          400, param=bad[0])
+        raise OpenAIError(
+            f"{bad[0]}: not supported yet (only the neutral/default value is accepted)", 400, param=bad[0]
+        )
 
 
 def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
@@ -70,9 +71,18 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
         params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.seed is not None:
         params["sampling_seed"] = req.seed
-    for name in ("top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                 "spaces_between_special_tokens", "no_stop_trim", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty"):
+    for name in (
+        "top_k",
+        "min_p",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    ):
         value = getattr(req, name)
         if value is not None:
             params[name] = value
@@ -81,15 +91,15 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
     grammars = req.grammar_fields()
     if len(grammars) > 1:
         names = list(grammars)
-        raise OpenAIError(f"Only one of {', '.join(names)} can be set: each constrains the output", 400,
-                          param=names[0])
+        raise OpenAIError(f"Only one of {', '.join(names)} can be set: each constrains the output", 400, param=names[0])
     for name, value in grammars.values():
         params[name] = value
     return params
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
-                       default: int | None, param: str, prompt_param: str) -> int:
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, context_len: int, default: int | None, param: str, prompt_param: str
+) -> int:
     """The number of tokens to generate.
 
     An explicit `requested` that does not fit the context beside the prompt is a 400; the
@@ -98,8 +108,11 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
     """
     room = context_len - prompt_len
     if room <= 0:
-        raise OpenAIError(f"The input ({prompt_len} tokens) is longer than the model's context length "
-                          f"({context_len} tokens).", 400, param=prompt_param)
+        raise OpenAIError(
+            f"The input ({prompt_len} tokens) is longer than the model's context length ({context_len} tokens).",
+            400,
+            param=prompt_param,
+        )
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
@@ -107,7 +120,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, context_len: int,
             f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
             f"You requested a total of {prompt_len + requested} tokens: {prompt_len} tokens from the input "
             f"messages and {requested} tokens for the completion. Please reduce the number of tokens in the "
-            f"input messages or the completion to fit within the limit.", 400, param=param)
+            f"input messages or the completion to fit within the limit.",
+            400,
+            param=param,
+        )
     return requested
 
 
@@ -168,9 +184,13 @@ def raise_if_refused(outputs: list[dict[str, Any]]) -> None:
         raise OpenAIError(refused[0], refused[1])
 
 
-async def respond(request, streams: list[AsyncIterator[dict[str, Any]]], stream: bool,
-                  body: Callable[[list], AsyncIterator[bytes]],
-                  build: Callable[[list[dict[str, Any]]], Response]) -> Response:
+async def respond(
+    request,
+    streams: list[AsyncIterator[dict[str, Any]]],
+    stream: bool,
+    body: Callable[[list], AsyncIterator[bytes]],
+    build: Callable[[list[dict[str, Any]]], Response],
+) -> Response:
     """The tail every generating OpenAI route shares: with `stream`, an SSE response of
     `body(streams)` once the scheduler admitted the request; otherwise `build(outputs)` of
     the final outputs. 499 when the client left first; OpenAIError (503) when refused."""

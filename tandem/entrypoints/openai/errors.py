@@ -44,16 +44,20 @@ class OpenAIError(Exception):
         self.type = type_ or _default_type(status)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"object": "error", "message": self.message, "type": self.type,
-                "param": self.param, "code": self.status}
+        return {"object": "error", "message": self.message, "type": self.type, "param": self.param, "code": self.status}
 
     def response(self) -> Response:
         return json_response(self.to_dict(), self.status)
 
 
 def _default_type(status: int) -> str:
-    return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            405: "MethodNotAllowedError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
 
 
 def from_value_error(exc: Exception, rename: dict[str, str] | None = None) -> OpenAIError:

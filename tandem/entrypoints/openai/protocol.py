@@ -69,16 +69,18 @@ class _SamplingFields(BaseModel):
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to a value Tandem cannot honour yet, in declaration order."""
-        return [name for name, neutral in self._neutral_values().items()
-                if getattr(self, name) is not None and not neutral(getattr(self, name))]
+        return [
+            name
+            for name, neutral in self._neutral_values().items()
+            if getattr(self, name) is not None and not neutral(getattr(self, name))
+        ]
 
     def _neutral_values(self) -> dict[str, Any]:
         return {"logit_bias": lambda v: not v, "stop_regex": lambda v: not v}
 
     def grammar_fields(self) -> dict[str, tuple[str, str]]:
         """Each field that constrains the output, as {field: (sampling param, value)}."""
-        return {name: (name, getattr(self, name)) for name in ("regex", "json_schema", "ebnf")
-                if getattr(self, name)}
+        return {name: (name, getattr(self, name)) for name in ("regex", "json_schema", "ebnf") if getattr(self, name)}
 
 
 class ChatContentPart(BaseModel):
@@ -149,7 +151,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is 'json_schema'")
         return self
@@ -217,7 +219,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
 
-    def to_chat_request(self) -> "ChatCompletionRequest":
+    def to_chat_request(self) -> ChatCompletionRequest:
         """The chat request whose prompt these `messages` are."""
         return ChatCompletionRequest(model=self.model or "default", messages=self.messages, tools=self.tools)
 
@@ -240,9 +242,12 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class TopLogprob(BaseModel):

@@ -15,16 +15,21 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.entrypoints.json_body import json_router
+from tandem.entrypoints.openai import serving_models
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
-from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, ScoringRequest, TokenizeRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    ScoringRequest,
+    TokenizeRequest,
 )
 from tandem.entrypoints.openai.serving_chat import ChatServing
 from tandem.entrypoints.openai.serving_completions import CompletionServing
 from tandem.entrypoints.openai.serving_responses import ResponsesServing
 from tandem.entrypoints.openai.serving_score import handle_score
-from tandem.entrypoints.openai import serving_models
+from tandem.entrypoints.responses import json_response
 
 # Routes reachable without the API key (load balancers and monitoring).
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})

@@ -13,27 +13,48 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
-from tandem.entrypoints.streams import merge_streams
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.common import (
-    SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
-    open_streams, random_id, respond, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
+    SSE_DONE,
+    clamp_logprob,
+    error_event,
+    finish_reason,
+    matched_stop,
+    open_streams,
+    random_id,
+    reject_unsupported,
+    resolve_max_tokens,
+    respond,
+    sampling_params,
+    sse,
+    token_text,
+    usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
-from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatMessage, ChatMessageOut, ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageOut,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
 )
 from tandem.entrypoints.openai.tool_calls import ToolCallSetup, delta_tool_call_of, resolve_tools, tool_call_of
+from tandem.entrypoints.responses import json_response
+from tandem.entrypoints.streams import merge_streams
 from tandem.function_call.base_format_detector import BaseFormatDetector
-from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.tokenizer.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
@@ -50,8 +71,11 @@ def message_to_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         parts = []
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:
-                raise OpenAIError(f"messages.{index}.content.{j}: only text content parts are supported, "
-                                  f"got type {part.type!r}", 400, param=f"messages.{index}.content")
+                raise OpenAIError(
+                    f"messages.{index}.content.{j}: only text content parts are supported, got type {part.type!r}",
+                    400,
+                    param=f"messages.{index}.content",
+                )
             parts.append(part.text)
         content = "".join(parts)
     out = message.model_dump(exclude_none=True)
@@ -72,13 +96,18 @@ def _arguments_as_objects(message: dict[str, Any]) -> None:
                 pass  # not JSON: the template gets the string
 
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: str | None = None,
-                       tools: list[dict[str, Any]] | None = None) -> str:
+def render_chat_prompt(
+    tokenizer, messages: list[ChatMessage], chat_template: str | None = None, tools: list[dict[str, Any]] | None = None
+) -> str:
     """The prompt text: the messages through the model's (or `--chat-template`'s) template,
     which gets `tools` as `apply_chat_template(tools=...)` passes them."""
     if tokenizer is None:
-        raise OpenAIError("messages: this server runs without a tokenizer (--skip-tokenizer-init); "
-                          "use /v1/completions with token ids", 400, param="messages")
+        raise OpenAIError(
+            "messages: this server runs without a tokenizer (--skip-tokenizer-init); "
+            "use /v1/completions with token ids",
+            400,
+            param="messages",
+        )
     dicts = [message_to_dict(i, m) for i, m in enumerate(messages)]
     kwargs: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
     if tools:
@@ -88,8 +117,11 @@ def render_chat_prompt(tokenizer, messages: list[ChatMessage], chat_template: st
     except jinja2.TemplateError as e:
         raise OpenAIError(f"messages: the chat template rejected the messages: {e}", 400, param="messages") from e
     except ValueError as e:  # no chat template in the tokenizer and none given
-        raise OpenAIError(f"messages: cannot render the chat template ({e}); start the server with "
-                          "--chat-template", 400, param="messages") from e
+        raise OpenAIError(
+            f"messages: cannot render the chat template ({e}); start the server with --chat-template",
+            400,
+            param="messages",
+        ) from e
 
 
 async def encode_chat_prompt(encoder: TextEncoder, text: str, max_tokens: int | None = None) -> list[int]:
@@ -108,11 +140,13 @@ def check_logprob_args(req: ChatCompletionRequest) -> None:
         raise OpenAIError("top_logprobs: requires logprobs=true", 400, param="top_logprobs")
 
 
-def build_chat_generate_input(req: ChatCompletionRequest, input_ids: list[int],
-                              max_new_tokens: int) -> GenerateReqInput:
+def build_chat_generate_input(
+    req: ChatCompletionRequest, input_ids: list[int], max_new_tokens: int
+) -> GenerateReqInput:
     """The native request for a chat request whose prompt is `input_ids`."""
-    obj = GenerateReqInput(input_ids=list(input_ids), sampling_params=sampling_params(req, max_new_tokens),
-                           stream=bool(req.stream))
+    obj = GenerateReqInput(
+        input_ids=list(input_ids), sampling_params=sampling_params(req, max_new_tokens), stream=bool(req.stream)
+    )
     if req.logprobs:
         obj.return_logprob = True
         obj.top_logprobs_num = req.top_logprobs or 0
@@ -158,9 +192,16 @@ def _message(text: str, detector: BaseFormatDetector | None) -> ChatMessageOut:
     return ChatMessageOut(content=parsed.normal_text or None, tool_calls=[tool_call_of(c) for c in parsed.calls])
 
 
-def build_chat_response(req_id: str, model: str, outputs: list[dict[str, Any]], n: int,
-                        with_logprobs: bool, tokenizer=None, created: int | None = None,
-                        make_detector: Callable[[], BaseFormatDetector] | None = None) -> ChatCompletionResponse:
+def build_chat_response(
+    req_id: str,
+    model: str,
+    outputs: list[dict[str, Any]],
+    n: int,
+    with_logprobs: bool,
+    tokenizer=None,
+    created: int | None = None,
+    make_detector: Callable[[], BaseFormatDetector] | None = None,
+) -> ChatCompletionResponse:
     """The non-streamed response for the `n` final outputs of one prompt; with
     `make_detector`, each output's tool calls become `message.tool_calls`."""
     choices = []
@@ -168,16 +209,19 @@ def build_chat_response(req_id: str, model: str, outputs: list[dict[str, Any]], 
         meta = out.get("meta_info") or {}
         message = _message(out.get("text") or "", make_detector() if make_detector else None)
         reason, matched = tool_calls_finish(meta, bool(message.tool_calls))
-        choices.append(ChatChoice(
-            index=i,
-            message=message,
-            logprobs=chat_logprobs(meta, tokenizer) if with_logprobs else None,
-            finish_reason=reason,
-            matched_stop=matched,
-        ))
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=chat_logprobs(meta, tokenizer) if with_logprobs else None,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
+        )
     usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
-    return ChatCompletionResponse(id=req_id, model=model, choices=choices, usage=usage,
-                                  created=created or int(time.time()))
+    return ChatCompletionResponse(
+        id=req_id, model=model, choices=choices, usage=usage, created=created or int(time.time())
+    )
 
 
 class ChatStreamConverter:
@@ -189,9 +233,18 @@ class ChatStreamConverter:
     out as content, each call as one `tool_calls` delta once it is whole.
     """
 
-    def __init__(self, req_id: str, model: str, num_choices: int, n: int, with_logprobs: bool,
-                 include_usage: bool, tokenizer=None, created: int | None = None,
-                 make_detector: Callable[[], BaseFormatDetector] | None = None):
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        num_choices: int,
+        n: int,
+        with_logprobs: bool,
+        include_usage: bool,
+        tokenizer=None,
+        created: int | None = None,
+        make_detector: Callable[[], BaseFormatDetector] | None = None,
+    ):
         self.req_id, self.model, self.n = req_id, model, n
         self.num_choices = num_choices
         self.with_logprobs, self.include_usage, self.tokenizer = with_logprobs, include_usage, tokenizer
@@ -202,14 +255,17 @@ class ChatStreamConverter:
         self.called = [False] * num_choices
 
     def _chunk(self, choice: ChatStreamChoice | None, usage=None) -> dict[str, Any]:
-        chunk = ChatCompletionChunk(id=self.req_id, created=self.created, model=self.model,
-                                    choices=[choice] if choice else [], usage=usage)
+        chunk = ChatCompletionChunk(
+            id=self.req_id, created=self.created, model=self.model, choices=[choice] if choice else [], usage=usage
+        )
         return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
 
     def start(self) -> list[dict[str, Any]]:
         """The first chunk of every choice: the assistant role with empty content."""
-        return [self._chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-                for i in range(self.num_choices)]
+        return [
+            self._chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            for i in range(self.num_choices)
+        ]
 
     def on_output(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
         """Chunks for one incremental output of choice `index`."""
@@ -228,17 +284,22 @@ class ChatStreamConverter:
                 parsed = parsed.merged(self.detectors[index].finish())
             text, calls = parsed.normal_text, parsed.calls
         if text or (logprobs and logprobs.content):
-            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=text),
-                                                       logprobs=logprobs)))
+            chunks.append(
+                self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=text), logprobs=logprobs))
+            )
         for call in calls:
             self.called[index] = True
-            chunks.append(self._chunk(ChatStreamChoice(
-                index=index, delta=DeltaMessage(tool_calls=[delta_tool_call_of(call)]))))
+            chunks.append(
+                self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(tool_calls=[delta_tool_call_of(call)])))
+            )
         if done:
             self.finished[index] = True
             reason, matched = tool_calls_finish(meta, self.called[index])
-            chunks.append(self._chunk(ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason,
-                                                       matched_stop=matched)))
+            chunks.append(
+                self._chunk(
+                    ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=reason, matched_stop=matched)
+                )
+            )
         return chunks
 
     def end(self) -> list[dict[str, Any]]:
@@ -257,8 +318,9 @@ class ChatServing:
     def __init__(self, tm, server_args, chat_template: str | None = None):
         self.tm, self.server_args, self.chat_template = tm, server_args, chat_template
 
-    async def prompt_ids(self, req: ChatCompletionRequest,
-                         max_tokens: int | None = None) -> tuple[list[int], ToolCallSetup]:
+    async def prompt_ids(
+        self, req: ChatCompletionRequest, max_tokens: int | None = None
+    ) -> tuple[list[int], ToolCallSetup]:
         """The prompt's ids (the messages and tools through the chat template, tokenized;
         /tokenize's `messages` too) and the request's tool setup; refused when longer
         than `max_tokens`."""
@@ -284,18 +346,33 @@ class ChatServing:
             streams = await open_streams(self.tm, obj)
         except ValueError as e:
             # The tool constraint's schema is the request's `tools`.
-            raise from_value_error(e, {**_PROMPT_FIELD, "json_schema": "tools"} if tools.json_schema
-                                   else _PROMPT_FIELD) from e
+            raise from_value_error(
+                e, {**_PROMPT_FIELD, "json_schema": "tools"} if tools.json_schema else _PROMPT_FIELD
+            ) from e
         req_id, n = random_id("chatcmpl"), req.n or 1
         model = req.model  # any name is served, as in SGLang
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        conv = ChatStreamConverter(req_id, model, len(streams), n, bool(req.logprobs), include_usage,
-                                   self.tm.tokenizer, make_detector=tools.make_detector)
+        conv = ChatStreamConverter(
+            req_id,
+            model,
+            len(streams),
+            n,
+            bool(req.logprobs),
+            include_usage,
+            self.tm.tokenizer,
+            make_detector=tools.make_detector,
+        )
         return await respond(
-            request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
-            lambda outputs: json_response(build_chat_response(
-                req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer,
-                make_detector=tools.make_detector).model_dump()))
+            request,
+            streams,
+            bool(req.stream),
+            lambda s: _stream_body(conv, s),
+            lambda outputs: json_response(
+                build_chat_response(
+                    req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer, make_detector=tools.make_detector
+                ).model_dump()
+            ),
+        )
 
 
 async def _stream_body(conv: ChatStreamConverter, streams) -> AsyncIterator[bytes]:

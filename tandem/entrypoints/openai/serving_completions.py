@@ -8,26 +8,41 @@ logprobs (the first token has none), taken from the engine's input logprobs.
 
 from __future__ import annotations
 
-from starlette.requests import Request
-
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.responses import Response
+from starlette.requests import Request
 
-from tandem.entrypoints.streams import merge_streams
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.common import (
-    SSE_DONE, clamp_logprob, error_event, finish_reason, matched_stop,
-    open_streams, random_id, respond, reject_unsupported, resolve_max_tokens, sampling_params, sse, token_text, usage_of,
+    SSE_DONE,
+    clamp_logprob,
+    error_event,
+    finish_reason,
+    matched_stop,
+    open_streams,
+    random_id,
+    reject_unsupported,
+    resolve_max_tokens,
+    respond,
+    sampling_params,
+    sse,
+    token_text,
+    usage_of,
 )
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
-from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
 )
-from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.entrypoints.responses import json_response
+from tandem.entrypoints.streams import merge_streams
 from tandem.tokenizer.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
@@ -57,8 +72,12 @@ def split_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list[int]],
-                           vocab_size: int | None = None, max_tokens: int | None = None) -> list[Prompt]:
+async def tokenize_prompts(
+    encoder: TextEncoder | None,
+    prompts: list[str | list[int]],
+    vocab_size: int | None = None,
+    max_tokens: int | None = None,
+) -> list[Prompt]:
     """Tokenize string prompts on the encoder's thread (refusing, by its length, one that
     cannot fit `max_tokens`); ids pass through, checked against the vocabulary, and are
     decoded (without special tokens) for `echo`. No encoder: the server runs without a tokenizer."""
@@ -66,8 +85,11 @@ async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list
     for p in prompts:
         if isinstance(p, str):
             if encoder is None:
-                raise OpenAIError("prompt: this server runs without a tokenizer (--skip-tokenizer-init); "
-                                  "send token ids", 400, param="prompt")
+                raise OpenAIError(
+                    "prompt: this server runs without a tokenizer (--skip-tokenizer-init); send token ids",
+                    400,
+                    param="prompt",
+                )
             try:
                 ids = await encoder.encode(p, "prompt", max_tokens=max_tokens)
             except ValueError as e:
@@ -78,21 +100,24 @@ async def tokenize_prompts(encoder: TextEncoder | None, prompts: list[str | list
         else:
             bad = [t for t in p if vocab_size is not None and t >= vocab_size]
             if bad:
-                raise OpenAIError(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
-                                  400, param="prompt")
+                raise OpenAIError(
+                    f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab_size})", 400, param="prompt"
+                )
             # Echoed as SGLang echoes token ids: without special tokens (no BOS).
             text = await encoder.decode(p, skip_special_tokens=True) if encoder is not None else ""
             out.append(Prompt(list(p), text))
     return out
 
 
-def build_completion_generate_input(req: CompletionRequest, prompts: list[Prompt],
-                                    context_len: int) -> GenerateReqInput:
+def build_completion_generate_input(
+    req: CompletionRequest, prompts: list[Prompt], context_len: int
+) -> GenerateReqInput:
     """The native request: one entry per prompt, each with its own token budget."""
     params = []
     for p in prompts:
-        max_new = resolve_max_tokens(req.max_tokens, len(p.input_ids), context_len, DEFAULT_MAX_TOKENS,
-                                     "max_tokens", "prompt")
+        max_new = resolve_max_tokens(
+            req.max_tokens, len(p.input_ids), context_len, DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
+        )
         params.append(sampling_params(req, max_new))
     batch = len(prompts) > 1
     obj = GenerateReqInput(
@@ -140,17 +165,32 @@ def _pad(tops: list | None, n: int) -> list:
     return tops + [None] * (n - len(tops))
 
 
-def build_completion_response(req_id: str, model: str, outputs: list[dict[str, Any]], prompts: list[Prompt],
-                              n: int, echo: bool, with_logprobs: bool, tokenizer=None,
-                              created: int | None = None) -> CompletionResponse:
+def build_completion_response(
+    req_id: str,
+    model: str,
+    outputs: list[dict[str, Any]],
+    prompts: list[Prompt],
+    n: int,
+    echo: bool,
+    with_logprobs: bool,
+    tokenizer=None,
+    created: int | None = None,
+) -> CompletionResponse:
     """The non-streamed response for the B*n final outputs (prompt-major)."""
     choices = []
     for i, out in enumerate(outputs):
         meta = out.get("meta_info") or {}
         prefix = prompts[i // n].text if echo else ""
         logprobs = completion_logprobs(meta, tokenizer, 0, echo) if with_logprobs else None
-        choices.append(CompletionChoice(index=i, text=prefix + (out.get("text") or ""), logprobs=logprobs,
-                                        finish_reason=finish_reason(meta), matched_stop=matched_stop(meta)))
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=prefix + (out.get("text") or ""),
+                logprobs=logprobs,
+                finish_reason=finish_reason(meta),
+                matched_stop=matched_stop(meta),
+            )
+        )
     usage = usage_of([o.get("meta_info") or {} for o in outputs], n)
     return CompletionResponse(id=req_id, model=model, choices=choices, usage=usage, created=created or int(time.time()))
 
@@ -160,8 +200,18 @@ class CompletionStreamConverter:
     text, logprobs or the finish (exactly one chunk per choice carries its finish_reason),
     then (with `include_usage`) a usage chunk without choices."""
 
-    def __init__(self, req_id: str, model: str, prompts: list[Prompt], n: int, echo: bool, with_logprobs: bool,
-                 include_usage: bool, tokenizer=None, created: int | None = None):
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        prompts: list[Prompt],
+        n: int,
+        echo: bool,
+        with_logprobs: bool,
+        include_usage: bool,
+        tokenizer=None,
+        created: int | None = None,
+    ):
         self.req_id, self.model, self.prompts, self.n = req_id, model, prompts, n
         self.echo, self.with_logprobs, self.include_usage = echo, with_logprobs, include_usage
         self.tokenizer = tokenizer
@@ -173,8 +223,9 @@ class CompletionStreamConverter:
         self.offsets = [0] * num
 
     def _chunk(self, choice: CompletionChoice | None, usage=None) -> dict[str, Any]:
-        chunk = CompletionResponse(id=self.req_id, model=self.model, created=self.created,
-                                   choices=[choice] if choice else [], usage=usage)
+        chunk = CompletionResponse(
+            id=self.req_id, model=self.model, created=self.created, choices=[choice] if choice else [], usage=usage
+        )
         return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
 
     def on_output(self, index: int, out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -195,8 +246,13 @@ class CompletionStreamConverter:
         if not (text or (logprobs and logprobs.tokens) or reason):
             return []
         # As SGLang: the finish rides on the output's own chunk, with its text and logprobs.
-        return [self._chunk(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
-                                             matched_stop=matched_stop(meta)))]
+        return [
+            self._chunk(
+                CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched_stop(meta)
+                )
+            )
+        ]
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:
@@ -216,8 +272,12 @@ class CompletionServing:
     async def prepare(self, req: CompletionRequest) -> tuple[GenerateReqInput, list[Prompt]]:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
         reject_unsupported(req)
-        prompts = await tokenize_prompts(self.tm.text_encoder, split_prompts(req.prompt),
-                                         getattr(self.tm, "vocab_size", None), self.tm.context_len - 1)
+        prompts = await tokenize_prompts(
+            self.tm.text_encoder,
+            split_prompts(req.prompt),
+            getattr(self.tm, "vocab_size", None),
+            self.tm.context_len - 1,
+        )
         return build_completion_generate_input(req, prompts, self.tm.context_len), prompts
 
     async def handle(self, request: Request, req: CompletionRequest) -> Response:
@@ -230,12 +290,20 @@ class CompletionServing:
         model = req.model  # any name is served, as in SGLang
         with_logprobs = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        conv = CompletionStreamConverter(req_id, model, prompts, n, bool(req.echo), with_logprobs,
-                                         include_usage, self.tm.tokenizer)
+        conv = CompletionStreamConverter(
+            req_id, model, prompts, n, bool(req.echo), with_logprobs, include_usage, self.tm.tokenizer
+        )
         return await respond(
-            request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
-            lambda outputs: json_response(build_completion_response(
-                req_id, model, outputs, prompts, n, bool(req.echo), with_logprobs, self.tm.tokenizer).model_dump()))
+            request,
+            streams,
+            bool(req.stream),
+            lambda s: _stream_body(conv, s),
+            lambda outputs: json_response(
+                build_completion_response(
+                    req_id, model, outputs, prompts, n, bool(req.echo), with_logprobs, self.tm.tokenizer
+                ).model_dump()
+            ),
+        )
 
 
 async def _stream_body(conv: CompletionStreamConverter, streams) -> AsyncIterator[bytes]:

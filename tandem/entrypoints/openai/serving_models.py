@@ -10,8 +10,9 @@ from tandem.tokenizer.text_encoder import TextEncoder
 
 
 def model_card(server_args, context_len: int | None, gguf: dict | None = None) -> ModelCard:
-    return ModelCard(id=server_args.served_model_name, root=server_args.model_path, max_model_len=context_len,
-                     gguf=gguf)
+    return ModelCard(
+        id=server_args.served_model_name, root=server_args.model_path, max_model_len=context_len, gguf=gguf
+    )
 
 
 def list_models(server_args, context_len: int | None, gguf: dict | None = None) -> ModelList:
@@ -43,8 +44,10 @@ async def tokenize(req: TokenizeRequest, encoder: TextEncoder | None, context_le
     field = "text" if req.text is not None else "prompt"
     prompt = req.text if req.text is not None else req.prompt
     try:
-        batch = [await encoder.encode(p, field, add_special_tokens=req.add_special_tokens)
-                 for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        batch = [
+            await encoder.encode(p, field, add_special_tokens=req.add_special_tokens)
+            for p in ([prompt] if isinstance(prompt, str) else prompt)
+        ]
     except ValueError as e:
         raise from_value_error(e) from e
     if isinstance(prompt, str):
@@ -61,7 +64,8 @@ async def detokenize(req: DetokenizeRequest, encoder: TextEncoder | None, vocab_
     if vocab_size is not None:
         bad = [t for ids in batch for t in ids if t >= vocab_size]
         if bad:
-            raise OpenAIError(f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
-                              400, param="tokens")
+            raise OpenAIError(
+                f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})", 400, param="tokens"
+            )
     texts = [await encoder.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in batch]
     return {"text": texts if is_batch else texts[0]}

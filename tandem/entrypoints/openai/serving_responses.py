@@ -19,18 +19,19 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.common import open_streams, resolve_max_tokens, respond, sse_json
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
-from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.streams import merge_streams
-from tandem.entrypoints.native_protocol import GenerateReqInput
 
 logger = logging.getLogger(__name__)
 # SGLang's default temperature for /v1/responses.
@@ -48,27 +49,38 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         return messages + [ChatMessage(role="user", content=req.input)]
     for i, item in enumerate(req.input):
         if item.get("type", "message") != "message" or "role" not in item:
-            raise OpenAIError(f"input.{i}: only message items with a role are supported, got type "
-                              f"{item.get('type')!r}", 400, param=f"input.{i}")
+            raise OpenAIError(
+                f"input.{i}: only message items with a role are supported, got type {item.get('type')!r}",
+                400,
+                param=f"input.{i}",
+            )
         content = item.get("content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
-                        not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in _TEXT_PARTS
+                    or not isinstance(part.get("text"), str)
+                ):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise OpenAIError(f"input.{i}.content.{j}: only text content parts are supported, got "
-                                      f"type {kind!r}", 400, param=f"input.{i}.content")
+                    raise OpenAIError(
+                        f"input.{i}.content.{j}: only text content parts are supported, got type {kind!r}",
+                        400,
+                        param=f"input.{i}.content",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         elif not isinstance(content, str):
-            raise OpenAIError(f"input.{i}.content: must be a string or a list of content parts", 400,
-                              param=f"input.{i}.content")
+            raise OpenAIError(
+                f"input.{i}.content: must be a string or a list of content parts", 400, param=f"input.{i}.content"
+            )
         try:
             messages.append(ChatMessage(role=item["role"], content=content))
         except ValueError as e:
-            raise OpenAIError(f"input.{i}.role: {e.errors()[0]['msg'].removeprefix('Value error, ')}", 400,
-                              param=f"input.{i}.role") from e
+            raise OpenAIError(
+                f"input.{i}.role: {e.errors()[0]['msg'].removeprefix('Value error, ')}", 400, param=f"input.{i}.role"
+            ) from e
     return messages
 
 
@@ -104,36 +116,67 @@ def output_text_part(text: str) -> dict[str, Any]:
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """An assistant message output item (its content empty while in progress)."""
     content = [] if text is None else [output_text_part(text)]
-    return {"id": item_id, "type": "message", "role": "assistant", "content": content, "status": status,
-            "phase": "final_answer"}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "content": content,
+        "status": status,
+        "phase": "final_answer",
+    }
 
 
 def usage_of(meta: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
-def response_object(req: ResponsesRequest, model: str, created: int, status: str,
-                    output: list[dict[str, Any]], meta: dict[str, Any] | None) -> dict[str, Any]:
+def response_object(
+    req: ResponsesRequest,
+    model: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The `response` object, with SGLang's keys; `meta` (the final meta_info) gives usage
     and the error of a failed response."""
     error = None
     if status == "failed":
-        error = {"code": "server_error", "message": (meta or {}).get("finish_reason", {}).get("message")
-                 or "Generation aborted"}
+        error = {
+            "code": "server_error",
+            "message": (meta or {}).get("finish_reason", {}).get("message") or "Generation aborted",
+        }
     return {
-        "id": req.request_id, "object": "response", "created_at": created, "model": model,
-        "output": output, "status": status, "usage": usage_of(meta) if meta is not None else None,
+        "id": req.request_id,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "output": output,
+        "status": status,
+        "usage": usage_of(meta) if meta is not None else None,
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "tool_choice": req.tool_choice, "tools": [], "error": error,
+        "tool_choice": req.tool_choice,
+        "tools": [],
+        "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": req.store,
-        "temperature": req.temperature, "text": {"format": {"type": "text"}} if output else None,
-        "top_p": req.top_p, "truncation": req.truncation, "user": req.user, "metadata": req.metadata or {},
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": req.store,
+        "temperature": req.temperature,
+        "text": {"format": {"type": "text"}} if output else None,
+        "top_p": req.top_p,
+        "truncation": req.truncation,
+        "user": req.user,
+        "metadata": req.metadata or {},
     }
 
 
@@ -165,14 +208,28 @@ class ResponsesStreamConverter:
         if self.item_id is None:
             self.item_id = f"msg_{uuid.uuid4().hex}"
             events += [
-                self._event("response.output_item.added", output_index=0,
-                            item=message_item(self.item_id, None, "in_progress")),
-                self._event("response.content_part.added", output_index=0, item_id=self.item_id, content_index=0,
-                            part=output_text_part("")),
+                self._event(
+                    "response.output_item.added", output_index=0, item=message_item(self.item_id, None, "in_progress")
+                ),
+                self._event(
+                    "response.content_part.added",
+                    output_index=0,
+                    item_id=self.item_id,
+                    content_index=0,
+                    part=output_text_part(""),
+                ),
             ]
         self.text += delta
-        events.append(self._event("response.output_text.delta", content_index=0, output_index=0,
-                                  item_id=self.item_id, delta=delta, logprobs=[]))
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                content_index=0,
+                output_index=0,
+                item_id=self.item_id,
+                delta=delta,
+                logprobs=[],
+            )
+        )
         return events
 
     def end(self) -> list[bytes]:
@@ -181,10 +238,21 @@ class ResponsesStreamConverter:
             item = message_item(self.item_id, self.text, "completed")
             output.append(item)
             events += [
-                self._event("response.output_text.done", output_index=0, content_index=0, text=self.text,
-                            logprobs=[], item_id=self.item_id),
-                self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
-                            part=output_text_part(self.text)),
+                self._event(
+                    "response.output_text.done",
+                    output_index=0,
+                    content_index=0,
+                    text=self.text,
+                    logprobs=[],
+                    item_id=self.item_id,
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=self.item_id,
+                    output_index=0,
+                    content_index=0,
+                    part=output_text_part(self.text),
+                ),
                 self._event("response.output_item.done", output_index=0, item=item),
             ]
         status = status_of(self.meta)
@@ -211,26 +279,35 @@ class ResponsesServing:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
         bad = req.unsupported_fields()
         if bad:
-            raise OpenAIError(f"{bad[0]}: not supported yet (only the neutral/default value is accepted)",
-                              400, param=bad[0])
+            raise OpenAIError(
+                f"{bad[0]}: not supported yet (only the neutral/default value is accepted)", 400, param=bad[0]
+            )
         text = render_chat_prompt(self.tm.tokenizer, input_messages(req), self.chat.chat_template)
         input_ids = await encode_chat_prompt(self.tm.text_encoder, text, self.tm.context_len - 1)
-        max_new = resolve_max_tokens(req.max_output_tokens, len(input_ids), self.tm.context_len, None,
-                                     "max_output_tokens", "input")
-        return GenerateReqInput(input_ids=input_ids, sampling_params=responses_sampling_params(req, max_new),
-                                stream=bool(req.stream))
+        max_new = resolve_max_tokens(
+            req.max_output_tokens, len(input_ids), self.tm.context_len, None, "max_output_tokens", "input"
+        )
+        return GenerateReqInput(
+            input_ids=input_ids, sampling_params=responses_sampling_params(req, max_new), stream=bool(req.stream)
+        )
 
     async def handle(self, request: Request, req: ResponsesRequest) -> Response:
         obj = await self.prepare(req)
         try:
             streams = await open_streams(self.tm, obj)
         except ValueError as e:
-            raise from_value_error(e, {"text/input_ids": "input", "input_ids": "input", "max_tokens":
-                                       "max_output_tokens"}) from e
+            raise from_value_error(
+                e, {"text/input_ids": "input", "input_ids": "input", "max_tokens": "max_output_tokens"}
+            ) from e
         model, created = req.model or self.chat.server_args.served_model_name or "default", int(time.time())
         conv = ResponsesStreamConverter(req, model, created)
-        return await respond(request, streams, bool(req.stream), lambda s: _stream_body(conv, s),
-                             lambda outputs: json_response(final_response(req, model, created, outputs[0])))
+        return await respond(
+            request,
+            streams,
+            bool(req.stream),
+            lambda s: _stream_body(conv, s),
+            lambda outputs: json_response(final_response(req, model, created, outputs[0])),
+        )
 
 
 def final_response(req: ResponsesRequest, model: str, created: int, out: dict[str, Any]) -> dict[str, Any]:

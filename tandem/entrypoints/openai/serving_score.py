@@ -17,12 +17,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnect
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.common import raise_if_refused
 from tandem.entrypoints.openai.errors import OpenAIError, from_value_error
-from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.openai.protocol import ScoringRequest, ScoringResponse, UsageInfo
+from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.streams import last_outputs
-from tandem.entrypoints.native_protocol import GenerateReqInput
 
 
 @dataclass
@@ -55,8 +55,9 @@ def _label_lists(label_token_ids: Any, num_items: int, vocab_size: int) -> list[
     return lists
 
 
-def build_score_input(query: str | list[int] | None, items: str | list[str] | list[list[int]],
-                      labels: list[list[int]], item_first: bool) -> GenerateReqInput:
+def build_score_input(
+    query: str | list[int] | None, items: str | list[str] | list[list[int]], labels: list[list[int]], item_first: bool
+) -> GenerateReqInput:
     """One prefill-only request per item: query + item (or item + query), text or ids."""
     items = [items] if isinstance(items, str) else items
     token_items = isinstance(items[0], list)
@@ -69,8 +70,13 @@ def build_score_input(query: str | list[int] | None, items: str | list[str] | li
         prompt = {"input_ids": [item + query if item_first else query + item for item in items]}
     else:
         raise ValueError("Invalid combination of query/items types for score_request.")
-    return GenerateReqInput(**prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                            logprob_start_len=-1, token_ids_logprob=labels)
+    return GenerateReqInput(
+        **prompt,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=-1,
+        token_ids_logprob=labels,
+    )
 
 
 def to_scores(logprobs: list[float], apply_softmax: bool, temperature: float) -> list[float]:
@@ -90,8 +96,10 @@ async def score(tm, req: ScoringRequest, request: Request | None = None) -> Scor
     if req.temperature != 1.0 and not req.apply_softmax:
         raise ValueError("temperature requires apply_softmax=True")
     if req.return_pooled_hidden_states:
-        raise ValueError("return_pooled_hidden_states is not supported for CausalLM models. It requires a model "
-                         "with a task-specific head (e.g. SequenceClassification or RewardModel).")
+        raise ValueError(
+            "return_pooled_hidden_states is not supported for CausalLM models. It requires a model "
+            "with a task-specific head (e.g. SequenceClassification or RewardModel)."
+        )
     if req.label_token_ids is None:
         raise ValueError("label_token_ids is required for generation (CausalLM) models.")
     if req.items is None:
@@ -128,6 +136,10 @@ async def handle_score(tm, request: Request, req: ScoringRequest) -> Response:
         return Response(status_code=499)
     except ValueError as e:
         raise from_value_error(e) from e
-    resp = ScoringResponse(scores=result.scores, token_logprobs=result.token_logprobs, model=req.model,
-                           usage=UsageInfo.of(result.prompt_tokens, 0))
+    resp = ScoringResponse(
+        scores=result.scores,
+        token_logprobs=result.token_logprobs,
+        model=req.model,
+        usage=UsageInfo.of(result.prompt_tokens, 0),
+    )
     return json_response(resp.model_dump())

@@ -20,16 +20,20 @@ from functools import partial
 
 from jsonschema import Draft202012Validator, SchemaError
 
+from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.protocol import (
-    ChatCompletionRequest, DeltaToolCall, FunctionResponse, ToolCall, ToolChoice,
+    ChatCompletionRequest,
+    DeltaToolCall,
+    FunctionResponse,
+    ToolCall,
+    ToolChoice,
 )
 from tandem.function_call.base_format_detector import BaseFormatDetector
 from tandem.function_call.constraint import get_json_schema_constraint
 from tandem.function_call.core_types import ToolCallItem
 from tandem.function_call.function_call_parser import ToolCallParserEnum
 from tandem.function_call.json_array_parser import JsonArrayParser, NamedFunctionParser
-from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.sampling.sampling_params import GRAMMAR_FIELDS
 
 
@@ -52,8 +56,11 @@ class ToolCallSetup:
         if self.json_schema is not None:
             other = next((name for name in GRAMMAR_FIELDS if params.get(name)), None)
             if other is not None:
-                raise OpenAIError(f"tool_choice: required or a named function cannot be combined with another "
-                                  f"constraint ({other})", 400, param="tool_choice")
+                raise OpenAIError(
+                    f"tool_choice: required or a named function cannot be combined with another constraint ({other})",
+                    400,
+                    param="tool_choice",
+                )
             params["json_schema"] = self.json_schema
         if self.keep_special_tokens:
             params.setdefault("skip_special_tokens", False)
@@ -65,8 +72,11 @@ def resolve_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> T
     choice = req.tool_choice or ("auto" if tools else "none")
     if not tools:
         if choice != "none" and choice != "auto":
-            raise OpenAIError("tool_choice: requires tools (a required or named tool choice needs at least one "
-                              "tool)", 400, param="tool_choice")
+            raise OpenAIError(
+                "tool_choice: requires tools (a required or named tool choice needs at least one tool)",
+                400,
+                param="tool_choice",
+            )
         return ToolCallSetup()
     _check_parameters(req)
     if choice == "none":
@@ -78,21 +88,25 @@ def resolve_tools(req: ChatCompletionRequest, tool_call_parser: str | None) -> T
         name = choice.function.name
         if name not in names:
             raise OpenAIError(f"tool_choice: Tool '{name}' not found in tools list.", 400, param="tool_choice")
-        return ToolCallSetup(template_tools=[t for t in template_tools if t["function"]["name"] == name],
-                             json_schema=json.dumps(get_json_schema_constraint(functions, name)),
-                             make_detector=partial(NamedFunctionParser, name))
+        return ToolCallSetup(
+            template_tools=[t for t in template_tools if t["function"]["name"] == name],
+            json_schema=json.dumps(get_json_schema_constraint(functions, name)),
+            make_detector=partial(NamedFunctionParser, name),
+        )
     if choice == "required":
         try:
             schema = get_json_schema_constraint(functions, None, req.parallel_tool_calls is not False)
         except ValueError as e:
             raise OpenAIError(str(e), 400, param="tools") from e
-        return ToolCallSetup(template_tools=template_tools, json_schema=json.dumps(schema),
-                             make_detector=partial(JsonArrayParser, names))
+        return ToolCallSetup(
+            template_tools=template_tools, json_schema=json.dumps(schema), make_detector=partial(JsonArrayParser, names)
+        )
     detector = ToolCallParserEnum.get(tool_call_parser) if tool_call_parser else None
     if detector is None:
         return ToolCallSetup(template_tools=template_tools)
-    return ToolCallSetup(template_tools=template_tools, make_detector=partial(detector, names),
-                         keep_special_tokens=True)
+    return ToolCallSetup(
+        template_tools=template_tools, make_detector=partial(detector, names), keep_special_tokens=True
+    )
 
 
 def _check_parameters(req: ChatCompletionRequest) -> None:
@@ -116,5 +130,8 @@ def tool_call_of(item: ToolCallItem) -> ToolCall:
 
 
 def delta_tool_call_of(item: ToolCallItem) -> DeltaToolCall:
-    return DeltaToolCall(index=item.tool_index, id=new_tool_call_id(),
-                         function=FunctionResponse(name=item.name, arguments=item.parameters))
+    return DeltaToolCall(
+        index=item.tool_index,
+        id=new_tool_call_id(),
+        function=FunctionResponse(name=item.name, arguments=item.parameters),
+    )

@@ -32,8 +32,16 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Compute the per-batch state every layer of this forward shares."""
 
-    def forward(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch,
-                scaling: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        forward_batch: ForwardBatch,
+        scaling: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
         return self.forward_extend(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
@@ -45,26 +53,44 @@ class AttentionBackend(ABC):
         return None
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch,
-                       scaling: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        forward_batch: ForwardBatch,
+        scaling: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         """One query token per request, over its `seq_lens[i]` keys."""
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer_id: int, forward_batch: ForwardBatch,
-                       scaling: float, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        forward_batch: ForwardBatch,
+        scaling: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         """`extend_lens[i]` query tokens per request: the cached prefix plus the causal new part."""
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate the static metadata buffers of graphs up to `max_bs` requests."""
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
 
-    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """Point the metadata at the static buffers of batch size `bs` (before capture)."""
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
 
-    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor) -> None:
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """Refresh the static buffers of batch size `bs` (padded) for one replay."""
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
 

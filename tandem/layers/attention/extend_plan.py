@@ -43,12 +43,14 @@ class ExtendGroup:
         if group_heads not in self._stacked_masks:
             size, _, n, kv_len = self.mask.shape
             self._stacked_masks[group_heads] = self.mask.expand(size, group_heads, n, kv_len).reshape(
-                size, 1, group_heads * n, kv_len)
+                size, 1, group_heads * n, kv_len
+            )
         return self._stacked_masks[group_heads]
 
 
-def slot_table(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-               max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_table(
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[len(rows), max_len] KV slots of each request's row (slot 0, the zeroed padding slot,
     past its `seq_lens`), and the validity mask; on `seq_lens`' device."""
     valid = torch.arange(max_len, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)

@@ -29,15 +29,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.forward_batch import ForwardBatch
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.attention.base import AttentionBackend
 from tandem.layers.attention.extend_plan import ExtendPlan, plan_extend, slot_table
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.forward_batch import ForwardBatch
 
 
-def paged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, table: torch.Tensor,
-                 valid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    table: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
     """One-token attention per request over its KV slots, written for Inductor to fuse.
 
     q [bs, kv_heads, group, D]; k/v_buffer [slots, kv_heads, D], one layer of the pool;
@@ -55,8 +61,13 @@ def paged_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 enable_torch_compile: bool = False, num_heads: int = 1):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: TokenToKVPool,
+        enable_torch_compile: bool = False,
+        num_heads: int = 1,
+    ):
         """`enable_torch_compile`: blocked decode runs `paged_decode` through `torch.compile`,
         compiled here (before the first request) for this rank's `num_heads` query heads."""
         self.req_to_token = req_to_token_pool.req_to_token
@@ -67,8 +78,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         # An EXTEND forward's (or a mixed batch's prefill part's) SDPA groups.
         self.extend_plan: ExtendPlan | None = None
         self.decode_kernel = self._cpu_decode_kernel(token_to_kv_pool, num_heads)
-        self.compiled_decode = (torch.compile(paged_decode)
-                                if enable_torch_compile and self.decode_kernel is None else None)
+        self.compiled_decode = (
+            torch.compile(paged_decode) if enable_torch_compile and self.decode_kernel is None else None
+        )
         if self.compiled_decode is not None:
             self._compile_decode(num_heads)
 
@@ -92,8 +104,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buffer = self.kv_pool.k_buffer[0]
         _, kv_heads, head_dim = k_buffer.shape
         for bs in (1, 2):
-            q = torch.zeros(bs, kv_heads, num_heads // kv_heads, head_dim, dtype=k_buffer.dtype,
-                            device=k_buffer.device)
+            q = torch.zeros(bs, kv_heads, num_heads // kv_heads, head_dim, dtype=k_buffer.dtype, device=k_buffer.device)
             table = torch.zeros(bs, 3, dtype=self.req_to_token.dtype, device=k_buffer.device)
             valid = table == 0
             for tensor in (table, valid):
@@ -101,16 +112,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             if bs > 1:
                 for tensor in (q, table, valid):
                     torch._dynamo.mark_dynamic(tensor, 0)
-            self.compiled_decode(q, k_buffer, self.kv_pool.v_buffer[0], table, valid,
-                                 torch.tensor(head_dim ** -0.5))
+            self.compiled_decode(q, k_buffer, self.kv_pool.v_buffer[0], table, valid, torch.tensor(head_dim**-0.5))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Decode: each request's KV table, shared by every layer (see `_kv_table`). A mixed
         batch: its two parts, and its decode part's KV table."""
         self.mixed_parts = forward_batch.mixed_parts() if forward_batch.is_mixed() else None
         decode = self.mixed_parts[1] if self.mixed_parts else forward_batch
-        self.forward_metadata = (self._kv_table(decode) if decode.forward_mode.is_decode()
-                                 and self.decode_kernel is None else None)
+        self.forward_metadata = (
+            self._kv_table(decode) if decode.forward_mode.is_decode() and self.decode_kernel is None else None
+        )
         prefill = self.mixed_parts[0] if self.mixed_parts else forward_batch
         self.extend_plan = plan_extend(prefill, self.req_to_token) if prefill.forward_mode.is_extend() else None
 
@@ -126,9 +137,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         as a decode batch of their own would."""
         prefill, decode = self.mixed_parts
         split = prefill.num_tokens
-        return torch.cat([
-            self.forward_extend(q[:split], layer_id, prefill, scaling, num_heads, num_kv_heads, head_dim),
-            self.forward_decode(q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim)])
+        return torch.cat(
+            [
+                self.forward_extend(q[:split], layer_id, prefill, scaling, num_heads, num_kv_heads, head_dim),
+                self.forward_decode(q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim),
+            ]
+        )
 
     def cpu_decode_tables(self, fb: ForwardBatch):
         if self.decode_kernel is None or not fb.forward_mode.is_decode() or fb.is_mixed():
@@ -137,9 +151,15 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
         if self.decode_kernel is not None:
-            return self.decode_kernel(q.view(fb.batch_size, num_heads, head_dim), self.kv_pool.k_buffer[layer_id],
-                                      self.kv_pool.v_buffer[layer_id], self.req_to_token, fb.req_pool_indices,
-                                      fb.seq_lens, scaling)
+            return self.decode_kernel(
+                q.view(fb.batch_size, num_heads, head_dim),
+                self.kv_pool.k_buffer[layer_id],
+                self.kv_pool.v_buffer[layer_id],
+                self.req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                scaling,
+            )
         if self._padded_waste_ok(fb):
             return self._decode_blocked(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
         return self._decode_segmented(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
@@ -162,8 +182,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         table, valid = self.forward_metadata
         qg = q.view(bs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if self.compiled_decode is not None:
-            return self.compiled_decode(qg, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id],
-                                        table, valid, torch.tensor(scaling))
+            return self.compiled_decode(
+                qg,
+                self.kv_pool.k_buffer[layer_id],
+                self.kv_pool.v_buffer[layer_id],
+                table,
+                valid,
+                torch.tensor(scaling),
+            )
         max_len = table.shape[1]
         flat = table.reshape(-1)
         k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
@@ -191,11 +217,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         scores = torch.einsum("tkd,tkgd->tkg", k, torch.index_select(qg, 0, seg)) * scaling  # [T, KVH, G]
         shape = (bs, num_kv_heads, group)
         peak = torch.full(shape, float("-inf"), device=q.device).scatter_reduce_(
-            0, seg.view(-1, 1, 1).expand_as(scores), scores, "amax")
+            0, seg.view(-1, 1, 1).expand_as(scores), scores, "amax"
+        )
         weights = torch.exp(scores - torch.index_select(peak, 0, seg))
         denom = torch.zeros(shape, device=q.device).index_add_(0, seg, weights)
         out = torch.zeros((*shape, head_dim), device=q.device).index_add_(
-            0, seg, weights.unsqueeze(-1) * v.unsqueeze(2))
+            0, seg, weights.unsqueeze(-1) * v.unsqueeze(2)
+        )
         return (out / denom.unsqueeze(-1)).to(q.dtype).reshape(bs, num_heads * head_dim)
 
     def forward_extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
@@ -218,13 +246,18 @@ class TorchNativeAttnBackend(AttentionBackend):
             qg = q if group.query_index is None else torch.index_select(q, 0, group.query_index)
             qg = qg.reshape(size, n, num_heads, head_dim)
             if group.mask is None:
-                o = F.scaled_dot_product_attention(qg.transpose(1, 2), k, v, is_causal=True, scale=scaling,
-                                                   enable_gqa=group_heads > 1).transpose(1, 2)
+                o = F.scaled_dot_product_attention(
+                    qg.transpose(1, 2), k, v, is_causal=True, scale=scaling, enable_gqa=group_heads > 1
+                ).transpose(1, 2)
             else:
                 qg = qg.view(size, n, num_kv_heads, group_heads, head_dim).permute(0, 2, 3, 1, 4)
                 o = F.scaled_dot_product_attention(
-                    qg.reshape(size, num_kv_heads, group_heads * n, head_dim), k, v,
-                    attn_mask=group.stacked_mask(group_heads), scale=scaling)
+                    qg.reshape(size, num_kv_heads, group_heads * n, head_dim),
+                    k,
+                    v,
+                    attn_mask=group.stacked_mask(group_heads),
+                    scale=scaling,
+                )
                 o = o.view(size, num_kv_heads, group_heads, n, head_dim).permute(0, 3, 1, 2, 4)
             outs.append(o.reshape(size * n, num_heads * head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

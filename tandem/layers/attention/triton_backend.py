@@ -40,8 +40,9 @@ class ExtendMetadata:
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
-                 num_heads: int, head_dim: int):
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, num_heads: int, head_dim: int
+    ):
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = token_to_kv_pool
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -56,30 +57,52 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         if fb.forward_mode.is_decode():
-            self.forward_metadata = DecodeMetadata(fb.req_pool_indices, fb.seq_lens,
-                                                   *self._scratch(fb.batch_size, fb.seq_lens.device))
+            self.forward_metadata = DecodeMetadata(
+                fb.req_pool_indices, fb.seq_lens, *self._scratch(fb.batch_size, fb.seq_lens.device)
+            )
             return
         extend_lens = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)
         qo_start = extend_lens.cumsum(0) - extend_lens
         device = fb.seq_lens.device
-        self.forward_metadata = ExtendMetadata(fb.req_pool_indices, fb.seq_lens, extend_lens.to(device),
-                                               qo_start.to(device), max(fb.extend_lens_cpu))
+        self.forward_metadata = ExtendMetadata(
+            fb.req_pool_indices, fb.seq_lens, extend_lens.to(device), qo_start.to(device), max(fb.extend_lens_cpu)
+        )
 
     def forward_decode(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
         md = self.forward_metadata
         q = q.view(-1, num_heads, head_dim)
         o = torch.empty_like(q)
-        decode_attention_fwd(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id], o,
-                             self.req_to_token, md.req_pool_indices, md.seq_lens, md.att_out, md.att_lse, scaling)
+        decode_attention_fwd(
+            q,
+            self.kv_pool.k_buffer[layer_id],
+            self.kv_pool.v_buffer[layer_id],
+            o,
+            self.req_to_token,
+            md.req_pool_indices,
+            md.seq_lens,
+            md.att_out,
+            md.att_lse,
+            scaling,
+        )
         return o.view(-1, num_heads * head_dim)
 
     def forward_extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
         md = self.forward_metadata
         q = q.view(-1, num_heads, head_dim)
         o = torch.empty_like(q)
-        extend_attention_fwd(q, self.kv_pool.k_buffer[layer_id], self.kv_pool.v_buffer[layer_id], o,
-                             self.req_to_token, md.req_pool_indices, md.seq_lens, md.extend_lens, md.qo_start,
-                             md.max_extend_len, scaling)
+        extend_attention_fwd(
+            q,
+            self.kv_pool.k_buffer[layer_id],
+            self.kv_pool.v_buffer[layer_id],
+            o,
+            self.req_to_token,
+            md.req_pool_indices,
+            md.seq_lens,
+            md.extend_lens,
+            md.qo_start,
+            md.max_extend_len,
+            scaling,
+        )
         return o.view(-1, num_heads * head_dim)
 
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -61,7 +61,7 @@ class BlockPart:
 
     def pack(self) -> Packed | None:
         full_cols = self.loaded.shape[1]
-        blocks = np.ascontiguousarray(self.loaded.blocks[self.row_start:self.row_start + self.rows])
+        blocks = np.ascontiguousarray(self.loaded.blocks[self.row_start : self.row_start + self.rows])
         packed = repack(blocks, self.loaded.qtype, (self.rows, full_cols))
         if packed is None or self.cols == full_cols:
             return packed
@@ -84,8 +84,12 @@ def quantize_dense(weight: torch.Tensor, method: str) -> Packed | None:
     if weight.dim() != 2 or weight.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return None
     dense = weight.detach()
-    blocks = np.concatenate([gguf.quants.quantize(dense[i:i + _QUANTIZE_ROWS].float().cpu().numpy(), qtype)
-                             for i in range(0, dense.shape[0], _QUANTIZE_ROWS)])
+    blocks = np.concatenate(
+        [
+            gguf.quants.quantize(dense[i : i + _QUANTIZE_ROWS].float().cpu().numpy(), qtype)
+            for i in range(0, dense.shape[0], _QUANTIZE_ROWS)
+        ]
+    )
     return repack(blocks, qtype, tuple(dense.shape))
 
 
@@ -112,7 +116,7 @@ class QuantLinearKernel:
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
-    def build(cls, parts: list[BlockPart], weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantLinearKernel | None":
+    def build(cls, parts: list[BlockPart], weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinearKernel | None:
         """The kernel for a layer whose rows `parts` name, or None (module docstring)."""
         if not parts or weight.device.type != "cpu" or weight.dim() != 2:
             return None
@@ -134,7 +138,7 @@ class QuantLinearKernel:
         return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops)
 
     @classmethod
-    def from_packed(cls, packed: Packed, weight: torch.Tensor, bias: torch.Tensor | None) -> "QuantLinearKernel | None":
+    def from_packed(cls, packed: Packed, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinearKernel | None:
         """The kernel for a dense `weight` quantized at load (`quantize_dense` gave `packed`),
         or None where the weight is not on the CPU or the C++ kernels are unavailable."""
         ops = cpu_kernels.load()
@@ -146,8 +150,9 @@ class QuantLinearKernel:
         if x.dim() == 2:  # a decode step's [rows, in]: no reshapes (a few us on each of ~120 calls a step)
             return self.ops.quant_linear(x, self.q, self.scale, self.mn, self.bits, self.group, self.bias)
         lead = x.shape[:-1]
-        out = self.ops.quant_linear(x.reshape(-1, self.in_features), self.q, self.scale, self.mn,
-                                    self.bits, self.group, self.bias)
+        out = self.ops.quant_linear(
+            x.reshape(-1, self.in_features), self.q, self.scale, self.mn, self.bits, self.group, self.bias
+        )
         return out.view(*lead, self.out_features)
 
     def nbytes(self) -> int:

@@ -232,9 +232,16 @@ def _q2_k(b):
 
 
 _REPACKERS = {
-    QT.Q4_0: _q4_0, QT.Q4_1: _q4_1, QT.Q4_K: _q4_k,
-    QT.Q8_0: _q8_0, QT.Q5_0: _q5_0, QT.Q5_1: _q5_1, QT.Q5_K: _q5_k,
-    QT.Q6_K: _q6_k, QT.Q3_K: _q3_k, QT.Q2_K: _q2_k,
+    QT.Q4_0: _q4_0,
+    QT.Q4_1: _q4_1,
+    QT.Q4_K: _q4_k,
+    QT.Q8_0: _q8_0,
+    QT.Q5_0: _q5_0,
+    QT.Q5_1: _q5_1,
+    QT.Q5_K: _q5_k,
+    QT.Q6_K: _q6_k,
+    QT.Q3_K: _q3_k,
+    QT.Q2_K: _q2_k,
 }
 
 SUPPORTED_QTYPES = frozenset(_REPACKERS)
@@ -271,8 +278,7 @@ def widen(p: Packed, group: int) -> Packed:
     if p.bits == 8 and p.group == group:
         return p
     reps = p.group // group
-    return Packed(8, group, p.values(),
-                  np.repeat(p.scale, reps, axis=1), np.repeat(p.mn, reps, axis=1))
+    return Packed(8, group, p.values(), np.repeat(p.scale, reps, axis=1), np.repeat(p.mn, reps, axis=1))
 
 
 def concat_rows(parts: list[Packed]) -> Packed:
@@ -282,14 +288,18 @@ def concat_rows(parts: list[Packed]) -> Packed:
     first = parts[0]
     for p in parts[1:]:
         if (p.bits, p.group) != (first.bits, first.group):
-            raise ValueError(f"cannot stack bits={p.bits}, group={p.group} under "
-                             f"bits={first.bits}, group={first.group}: widen first")
+            raise ValueError(
+                f"cannot stack bits={p.bits}, group={p.group} under bits={first.bits}, group={first.group}: widen first"
+            )
         if p.cols != first.cols:
             raise ValueError(f"cannot stack {p.cols} columns under {first.cols}")
-    return Packed(first.bits, first.group,
-                  np.concatenate([p.q for p in parts], axis=0),
-                  np.concatenate([p.scale for p in parts], axis=0),
-                  np.concatenate([p.mn for p in parts], axis=0))
+    return Packed(
+        first.bits,
+        first.group,
+        np.concatenate([p.q for p in parts], axis=0),
+        np.concatenate([p.scale for p in parts], axis=0),
+        np.concatenate([p.mn for p in parts], axis=0),
+    )
 
 
 def slice_cols(p: Packed, start: int, length: int) -> Packed:
@@ -302,6 +312,10 @@ def slice_cols(p: Packed, start: int, length: int) -> Packed:
         raise ValueError(f"columns {start}..{stop} do not start and end on groups of {p.group}")
     per_byte = 2 if p.bits == 4 else 1
     g0, g1 = start // p.group, stop // p.group
-    return Packed(p.bits, p.group,
-                  p.q[:, start // per_byte:stop // per_byte].copy(),
-                  p.scale[:, g0:g1].copy(), p.mn[:, g0:g1].copy())
+    return Packed(
+        p.bits,
+        p.group,
+        p.q[:, start // per_byte : stop // per_byte].copy(),
+        p.scale[:, g0:g1].copy(),
+        p.mn[:, g0:g1].copy(),
+    )

@@ -33,19 +33,43 @@ def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN:
 
 
 @triton.jit
-def attend_block(q, K_Buffer, V_Buffer, Row_slots, offs_n, mask_n, visible, kv_head, offs_d, mask_d,
-                 stride_kb, stride_kh, stride_vb, stride_vh, sm_scale, acc, e_sum, e_max,
-                 DOT_PRECISION: tl.constexpr):
+def attend_block(
+    q,
+    K_Buffer,
+    V_Buffer,
+    Row_slots,
+    offs_n,
+    mask_n,
+    visible,
+    kv_head,
+    offs_d,
+    mask_d,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    sm_scale,
+    acc,
+    e_sum,
+    e_max,
+    DOT_PRECISION: tl.constexpr,
+):
     """Fold one block of keys (positions `offs_n`, valid where `mask_n`, seen by each query
     row where `visible`) into the online softmax (`acc`, `e_sum`, `e_max`): K and V are
     read from the pool through the request's page-table row `Row_slots`."""
     slots = tl.load(Row_slots + offs_n, mask=mask_n, other=0)
-    k = tl.load(K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    k = tl.load(
+        K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
     qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale
     qk = tl.where(visible, qk, float("-inf"))
-    v = tl.load(V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    v = tl.load(
+        V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     new_max = tl.maximum(tl.max(qk, 1), e_max)
     rescale = tl.exp(e_max - new_max)
     p = tl.exp(qk - new_max[:, None])
@@ -54,12 +78,39 @@ def attend_block(q, K_Buffer, V_Buffer, Row_slots, offs_n, mask_n, visible, kv_h
 
 
 @triton.jit
-def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens, Att_Out, Att_Lse, sm_scale,
-                   stride_r2t, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                   GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr,
-                   NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_stage1(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Att_Out,
+    Att_Lse,
+    sm_scale,
+    stride_r2t,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEADS_PER_BLOCK: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     bid, hblock, split_id = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # Head blocks never straddle two KV heads: each KV head's GROUP query heads get
     # cdiv(GROUP, HEADS_PER_BLOCK) blocks of their own, the last one cut at the group's
@@ -76,8 +127,11 @@ def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_le
     row = tl.load(Req_pool_indices + bid)
     start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN)
     if end > start:
-        q = tl.load(Q + bid * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            Q + bid * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         e_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         e_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -85,18 +139,49 @@ def _decode_stage1(Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_le
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             acc, e_sum, e_max = attend_block(
-                q, K_Buffer, V_Buffer, Req_to_token + row * stride_r2t, offs_n, mask_n, mask_n[None, :],
-                kv_head, offs_d, mask_d, stride_kb, stride_kh, stride_vb, stride_vh, sm_scale,
-                acc, e_sum, e_max, DOT_PRECISION)
+                q,
+                K_Buffer,
+                V_Buffer,
+                Req_to_token + row * stride_r2t,
+                offs_n,
+                mask_n,
+                mask_n[None, :],
+                kv_head,
+                offs_d,
+                mask_d,
+                stride_kb,
+                stride_kh,
+                stride_vb,
+                stride_vh,
+                sm_scale,
+                acc,
+                e_sum,
+                e_max,
+                DOT_PRECISION,
+            )
         out = Att_Out + bid * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_d[None, :]
         tl.store(out, acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
         tl.store(Att_Lse + bid * stride_lb + heads * stride_lh + split_id, e_max + tl.log(e_sum), mask=mask_h)
 
 
 @triton.jit
-def _decode_stage2(Att_Out, Att_Lse, O, Seq_lens, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                   stride_b, stride_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+def _decode_stage2(
+    Att_Out,
+    Att_Lse,
+    O,
+    Seq_lens,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_b,
+    stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+):
     bid, head = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -107,8 +192,9 @@ def _decode_stage2(Att_Out, Att_Lse, O, Seq_lens, stride_ob, stride_oh, stride_o
     for split_id in range(0, NUM_KV_SPLITS):
         start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN)
         if end > start:
-            part = tl.load(Att_Out + bid * stride_ob + head * stride_oh + split_id * stride_os + offs_d,
-                           mask=mask_d, other=0.0)
+            part = tl.load(
+                Att_Out + bid * stride_ob + head * stride_oh + split_id * stride_os + offs_d, mask=mask_d, other=0.0
+            )
             lse = tl.load(Att_Lse + bid * stride_lb + head * stride_lh + split_id)
             new_max = tl.maximum(lse, e_max)
             old_scale = tl.exp(e_max - new_max)
@@ -119,9 +205,18 @@ def _decode_stage2(Att_Out, Att_Lse, O, Seq_lens, stride_ob, stride_oh, stride_o
     tl.store(O + bid * stride_b + head * stride_h + offs_d, (acc / e_sum).to(O.dtype.element_ty), mask=mask_d)
 
 
-def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
-                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                         att_out: torch.Tensor, att_lse: torch.Tensor, sm_scale: float) -> None:
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    att_out: torch.Tensor,
+    att_lse: torch.Tensor,
+    sm_scale: float,
+) -> None:
     """q, o [bs, H, D]; k/v_buffer [slots, KVH, D]; att_out [>=bs, H, NUM_KV_SPLITS, D] and
     att_lse [>=bs, H, NUM_KV_SPLITS] float32 scratch. Every seq_len must be >= 1."""
     bs, num_heads, head_dim = q.shape
@@ -130,14 +225,52 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     heads_per_block = min(BLOCK_H, group)
     head_blocks = k_buffer.shape[1] * triton.cdiv(group, heads_per_block)
     _decode_stage1[(bs, head_blocks, NUM_KV_SPLITS)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, att_out, att_lse, sm_scale,
-        req_to_token.stride(0), q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), att_out.stride(0), att_out.stride(1), att_out.stride(2),
-        att_lse.stride(0), att_lse.stride(1),
-        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-        HEADS_PER_BLOCK=heads_per_block, NUM_KV_SPLITS=NUM_KV_SPLITS, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
-        DOT_PRECISION=dot_precision(q.dtype))
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        att_out,
+        att_lse,
+        sm_scale,
+        req_to_token.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        att_out.stride(0),
+        att_out.stride(1),
+        att_out.stride(2),
+        att_lse.stride(0),
+        att_lse.stride(1),
+        GROUP=group,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
+        BLOCK_H=BLOCK_H,
+        HEADS_PER_BLOCK=heads_per_block,
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        MIN_SPLIT_LEN=MIN_SPLIT_LEN,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
     _decode_stage2[(bs, num_heads)](
-        att_out, att_lse, o, seq_lens, att_out.stride(0), att_out.stride(1), att_out.stride(2),
-        att_lse.stride(0), att_lse.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_KV_SPLITS=NUM_KV_SPLITS, MIN_SPLIT_LEN=MIN_SPLIT_LEN)
+        att_out,
+        att_lse,
+        o,
+        seq_lens,
+        att_out.stride(0),
+        att_out.stride(1),
+        att_out.stride(2),
+        att_lse.stride(0),
+        att_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        MIN_SPLIT_LEN=MIN_SPLIT_LEN,
+    )

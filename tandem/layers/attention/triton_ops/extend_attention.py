@@ -21,11 +21,33 @@ BLOCK_N = 32
 
 
 @triton.jit
-def _extend_fwd(Q, K_Buffer, V_Buffer, O, Req_to_token, Req_pool_indices, Seq_lens, Extend_lens, Qo_start,
-                sm_scale, stride_r2t, stride_qt, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                stride_ot, stride_oh,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _extend_fwd(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    O,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Extend_lens,
+    Qo_start,
+    sm_scale,
+    stride_r2t,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     bid, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(Extend_lens + bid)
     if mblock * BLOCK_M < extend_len:
@@ -38,8 +60,11 @@ def _extend_fwd(Q, K_Buffer, V_Buffer, O, Req_to_token, Req_pool_indices, Seq_le
         mask_m = offs_m < extend_len
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            Q + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         qpos = prefix_len + offs_m
         e_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         e_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -52,17 +77,43 @@ def _extend_fwd(Q, K_Buffer, V_Buffer, O, Req_to_token, Req_pool_indices, Seq_le
             visible = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])
             # Every row sees key 0, so the running max is finite after the first block.
             acc, e_sum, e_max = attend_block(
-                q, K_Buffer, V_Buffer, Req_to_token + row * stride_r2t, offs_n, mask_n, visible,
-                kv_head, offs_d, mask_d, stride_kb, stride_kh, stride_vb, stride_vh, sm_scale,
-                acc, e_sum, e_max, DOT_PRECISION)
+                q,
+                K_Buffer,
+                V_Buffer,
+                Req_to_token + row * stride_r2t,
+                offs_n,
+                mask_n,
+                visible,
+                kv_head,
+                offs_d,
+                mask_d,
+                stride_kb,
+                stride_kh,
+                stride_vb,
+                stride_vh,
+                sm_scale,
+                acc,
+                e_sum,
+                e_max,
+                DOT_PRECISION,
+            )
         out = O + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
         tl.store(out, (acc / e_sum[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
-                         req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                         extend_lens: torch.Tensor, qo_start: torch.Tensor, max_extend_len: int,
-                         sm_scale: float) -> None:
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    qo_start: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> None:
     """q, o [num_tokens, H, D] (requests one after another from `qo_start[i]`);
     k/v_buffer [slots, KVH, D]; per request: seq_lens (prefix + new) and extend_lens."""
     bs = seq_lens.shape[0]
@@ -70,8 +121,29 @@ def extend_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     group = num_heads // k_buffer.shape[1]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     _extend_fwd[(bs, num_heads, triton.cdiv(max_extend_len, BLOCK_M))](
-        q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens, extend_lens, qo_start, sm_scale,
-        req_to_token.stride(0), q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), o.stride(0), o.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=dot_precision(q.dtype))
+        q,
+        k_buffer,
+        v_buffer,
+        o,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        qo_start,
+        sm_scale,
+        req_to_token.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        o.stride(0),
+        o.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
