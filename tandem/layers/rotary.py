@@ -41,9 +41,16 @@ class RotaryEmbedding(nn.Module):
     models rotate in float32 and bfloat16 models in bfloat16, as there.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
-                 freq_factors: list[float] | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict | None = None,
+        dtype: torch.dtype | None = None,
+        freq_factors: list[float] | None = None,
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim

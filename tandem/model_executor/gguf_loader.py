@@ -49,7 +49,7 @@ SUPPORTED_TYPES = frozenset(
 class Family:
     """How a GGUF architecture maps onto a Hugging Face one."""
 
-    architecture: str  # the Hugging Face class, in MODEL_REGISTRY
+    architecture: str  # the Hugging Face class, in models/registry.ARCHITECTURES
     model_type: str
     permute_qk: bool  # llama.cpp's converter permuted Q/K rows for its rotary layout
 

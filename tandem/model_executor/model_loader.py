@@ -12,7 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -28,15 +28,17 @@ def load_config(model_path: str):
     if is_gguf_path(model_path):
         return AutoConfig.from_pretrained(gguf_model_dir(model_path, need_tokenizer=False))
     if not os.path.isdir(model_path):
-        raise ValueError(f"--model-path: {model_path!r} is neither a model directory (with a config.json) "
-                         "nor a .gguf file")
+        raise ValueError(
+            f"--model-path: {model_path!r} is neither a model directory (with a config.json) nor a .gguf file"
+        )
     if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise ValueError(f"--model-path: {model_path!r} has no config.json (a Hugging Face model directory is expected)")
+        raise ValueError(
+            f"--model-path: {model_path!r} has no config.json (a Hugging Face model directory is expected)"
+        )
     return AutoConfig.from_pretrained(model_path)
 
 
-def iterate_weights(model_path: str,
-                    show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+def iterate_weights(model_path: str, show_progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield (name, lazy slice) from every *.safetensors file, with a progress bar over files
     (over tensors for GGUF)."""
     if is_gguf_path(model_path):
@@ -74,5 +76,6 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             name_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
             generator = torch.Generator(device="cpu").manual_seed(name_seed)
             values = torch.empty(tensor.shape, dtype=torch.float32).uniform_(
-                -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+                -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator
+            )
             tensor.copy_(values)

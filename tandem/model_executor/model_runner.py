@@ -12,19 +12,19 @@ can hold, so that every rank admits the same requests.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import psutil
 import torch
 
 from tandem.distributed import tensor_model_parallel_all_gather_object, tensor_model_parallel_min
+from tandem.forward_batch import ForwardBatch
 from tandem.layers.attention.registry import create_attention_backend, torch_compile_note
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
-from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.forward_batch import ForwardBatch
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
+from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.model_executor.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner, capture_batch_sizes
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
 from tandem.models.context import ModelContext
@@ -40,16 +40,27 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 # Config fields that fix the parameters' shapes: a weight update must keep them.
-SHAPE_CONFIG_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+SHAPE_CONFIG_KEYS = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 
 
 def check_same_shapes(served, new) -> None:
     """ValueError naming the first shape-fixing config field where `new` differs."""
     for key in SHAPE_CONFIG_KEYS:
         if getattr(served, key, None) != getattr(new, key, None):
-            raise ValueError(f"the new model's {key} ({getattr(new, key, None)}) differs from the served "
-                             f"model's ({getattr(served, key, None)})")
+            raise ValueError(
+                f"the new model's {key} ({getattr(new, key, None)}) differs from the served "
+                f"model's ({getattr(served, key, None)})"
+            )
 
 
 def shape_of(tensor: CheckpointTensor) -> list[int]:
@@ -72,8 +83,11 @@ class WeightSource:
     def iterate(self, show_progress: bool = False) -> Iterator[tuple[str, CheckpointTensor]]:
         """Every checkpoint tensor (lazily read), then the overlay; nothing for dummy weights."""
         if self.path is not None:
-            yield from ((name, t) for name, t in iterate_weights(self.path, show_progress=show_progress)
-                        if name not in self.tensors)
+            yield from (
+                (name, t)
+                for name, t in iterate_weights(self.path, show_progress=show_progress)
+                if name not in self.tensors
+            )
         yield from self.tensors.items()
 
     def read(self, name: str) -> torch.Tensor:
@@ -81,8 +95,10 @@ class WeightSource:
         if name in self.tensors:
             return self.tensors[name]
         if self.path is None:
-            raise ValueError(f"no weight named {name!r}: the served weights are dummy weights "
-                             "(--load-format dummy) and none can be read")
+            raise ValueError(
+                f"no weight named {name!r}: the served weights are dummy weights "
+                "(--load-format dummy) and none can be read"
+            )
         for tensor_name, tensor in iterate_weights(self.path, show_progress=False):
             if tensor_name == name:
                 return read_whole(tensor)
@@ -128,8 +144,13 @@ class ModelRunner:
         self.context_len = server_args.context_length or self.config.max_position_embeddings
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
-            server_args.attention_backend, self.req_to_token_pool, self.token_to_kv_pool,
-            self.model.model.layers[0].self_attn.num_heads, self.head_dim, server_args.enable_torch_compile)
+            server_args.attention_backend,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            self.model.model.layers[0].self_attn.num_heads,
+            self.head_dim,
+            server_args.enable_torch_compile,
+        )
         if server_args.enable_torch_compile and tp_rank == 0:
             logger.info(torch_compile_note(self.attn_backend, server_args.attention_backend))
         self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
@@ -174,8 +195,9 @@ class ModelRunner:
 
         return self._replace_weights(build, f"from {model_path}")
 
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]],
-                                   load_format: str | None = None) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None
+    ) -> tuple[bool, str]:
         """Replace the named checkpoint tensors (whole tensors: each rank takes its shard);
         the others keep their values. See `_replace_weights`."""
 
@@ -185,8 +207,9 @@ class ModelRunner:
             served = {name: shape_of(t) for name, t in self.weight_source.iterate()}
             for name, tensor in named_tensors:
                 if name in served and list(tensor.shape) != served[name]:
-                    raise ValueError(f"{name}: shape {list(tensor.shape)} differs from the served weight's "
-                                     f"{served[name]}")
+                    raise ValueError(
+                        f"{name}: shape {list(tensor.shape)} differs from the served weight's {served[name]}"
+                    )
             source = WeightSource(self.weight_source.path, {**self.weight_source.tensors, **dict(named_tensors)})
             return source, self._build_model(source)
 
@@ -236,10 +259,15 @@ class ModelRunner:
         self.max_total_num_tokens = total
         self.max_running_requests = min(max_running, total)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
-        self.token_to_kv_pool = TokenToKVPool(total, self.num_layers, self.num_kv_heads, self.head_dim,
-                                              self.dtype, self.device)
-        logger.info("KV cache: %d tokens (%.1f MB), max running requests %d",
-                    total, total * per_token / 2**20, self.max_running_requests)
+        self.token_to_kv_pool = TokenToKVPool(
+            total, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+        logger.info(
+            "KV cache: %d tokens (%.1f MB), max running requests %d",
+            total,
+            total * per_token / 2**20,
+            self.max_running_requests,
+        )
 
     def _tokens_from_memory(self, per_token: int) -> int:
         frac = self.server_args.mem_fraction_static
@@ -268,8 +296,13 @@ class ModelRunner:
             logger.info("CUDA graphs off: they need --attention-backend triton and --tp-size 1")
             return None
         max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.max_running_requests)
-        return CudaGraphRunner(lambda fb: self.model(fb, self.ctx), self.attn_backend,
-                               capture_batch_sizes(max_bs, args.cuda_graph_bs), self.vocab_size, self.device)
+        return CudaGraphRunner(
+            lambda fb: self.model(fb, self.ctx),
+            self.attn_backend,
+            capture_batch_sizes(max_bs, args.cuda_graph_bs),
+            self.vocab_size,
+            self.device,
+        )
 
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         return self.sampler(logits, info)

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 # ---- config helpers ------------------------------------------------------------------------
 
+
 def rope_settings(config) -> tuple[float, dict | None]:
     """(theta, scaling dict or None) from either the old (`rope_theta`/`rope_scaling`) or
     the transformers 5 (`rope_parameters`) form of a config."""
@@ -70,8 +71,14 @@ def make_rotary_embedding(config) -> RotaryEmbedding:
     SGLang's `get_rope` cache shares one), looked up once per forward."""
     theta, scaling = rope_settings(config)
     head_dim = head_dim_of(config)
-    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, theta, scaling,
-                           freq_factors=getattr(config, "rope_freq_factors", None))
+    return RotaryEmbedding(
+        head_dim,
+        head_dim,
+        config.max_position_embeddings,
+        theta,
+        scaling,
+        freq_factors=getattr(config, "rope_freq_factors", None),
+    )
 
 
 # ---- per-layer options ---------------------------------------------------------------------
@@ -95,12 +102,14 @@ class LayerOptions:
 
 # ---- layers --------------------------------------------------------------------------------
 
+
 class Attention(nn.Module):
     """Self-attention of one layer: writes this layer's K/V into the pool itself, then
     attends through the context's backend."""
 
-    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding,
-                 options: LayerOptions):
+    def __init__(
+        self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding, options: LayerOptions
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.options = options
@@ -108,12 +117,13 @@ class Attention(nn.Module):
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, options.qkv_bias,
-                                          tp_rank, tp_size)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, total_heads, total_kv_heads, options.qkv_bias, tp_rank, tp_size
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, False, tp_rank, tp_size)
         self.qk_norm = options.qk_norm
         if self.qk_norm:
@@ -121,8 +131,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
 
-    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
-                ctx: ModelContext):
+    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, ctx: ModelContext):
         """`cos_sin`: the batch's tokens' rotation, `RotaryEmbedding.lookup(positions)`."""
         qkv = self.qkv_proj.forward(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -135,16 +144,16 @@ class Attention(nn.Module):
         else:  # query and key heads rotated in one call, in place in the QKV output
             q, k = self.rotary_emb.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
-        out = ctx.attn_backend.forward(q, self.layer_id, fb, self.scaling, self.num_heads,
-                                       self.num_kv_heads, self.head_dim)
+        out = ctx.attn_backend.forward(
+            q, self.layer_id, fb, self.scaling, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         return self.o_proj.forward(out)
 
 
 class GatedMLP(nn.Module):
     """`down(act(gate(x)) * up(x))`, gate and up fused in one column-parallel linear."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int,
-                 activation: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int, activation: str = "silu"):
         super().__init__()
         inter = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [inter, inter], False, tp_rank, tp_size)
@@ -159,8 +168,9 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, the residual adds fused into the norms."""
 
-    def __init__(self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding,
-                 options: LayerOptions):
+    def __init__(
+        self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding, options: LayerOptions
+    ):
         super().__init__()
         self.self_attn = Attention(config, layer_id, tp_rank, tp_size, rotary_emb, options)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size, options.activation)
@@ -176,9 +186,14 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ops = cpu_kernels.load()
-        if (ops is None or attn.qkv_proj.tp_size != 1 or attn.qk_norm or mlp.activation != "silu"
-                or any(m.quant_kernel is None for m in linears)
-                or self.input_layernorm.eps != self.post_attention_layernorm.eps):
+        if (
+            ops is None
+            or attn.qkv_proj.tp_size != 1
+            or attn.qk_norm
+            or mlp.activation != "silu"
+            or any(m.quant_kernel is None for m in linears)
+            or self.input_layernorm.eps != self.post_attention_layernorm.eps
+        ):
             return
         kernels = [m.quant_kernel for m in linears]
         weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in kernels]
@@ -190,10 +205,23 @@ class DecoderLayer(nn.Module):
         kernels in the same order, so the same result)."""
         op, weights, formats = self.fused_decode
         attn, layer_id = self.self_attn, self.self_attn.layer_id
-        return op(hidden, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                  self.input_layernorm.eps, *weights, formats, cos_sin, ctx.kv_pool.k_buffer[layer_id],
-                  ctx.kv_pool.v_buffer[layer_id], fb.out_cache_loc, *tables, attn.scaling, attn.num_heads,
-                  attn.num_kv_heads)
+        return op(
+            hidden,
+            residual,
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            *weights,
+            formats,
+            cos_sin,
+            ctx.kv_pool.k_buffer[layer_id],
+            ctx.kv_pool.v_buffer[layer_id],
+            fb.out_cache_loc,
+            *tables,
+            attn.scaling,
+            attn.num_heads,
+            attn.num_kv_heads,
+        )
 
     def forward(self, cos_sin, hidden, residual, fb, ctx):
         """(MLP output, residual): the residual adds happen in the next norm's call
@@ -210,14 +238,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers (each with `layer_options(config, i)`), final norm."""
 
-    def __init__(self, config, tp_rank: int, tp_size: int,
-                 layer_options: Callable[[object, int], LayerOptions]):
+    def __init__(self, config, tp_rank: int, tp_size: int, layer_options: Callable[[object, int], LayerOptions]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, tp_rank, tp_size, self.rotary_emb, layer_options(config, i))
-             for i in range(config.num_hidden_layers)]
+            [
+                DecoderLayer(config, i, tp_rank, tp_size, self.rotary_emb, layer_options(config, i))
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -245,6 +274,7 @@ class DecoderModel(nn.Module):
 
 
 # ---- weight loading ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StackedParam:
@@ -275,13 +305,17 @@ def stacked_param_target(name: str, mapping: Iterable[StackedParam]) -> tuple[st
         want = entry.checkpoint.split(".")
         n = len(want)
         for i in range(len(parts) - n + 1):
-            if parts[i:i + n] == want:
-                return ".".join(parts[:i] + entry.param.split(".") + parts[i + n:]), entry.shard_id
+            if parts[i : i + n] == want:
+                return ".".join(parts[:i] + entry.param.split(".") + parts[i + n :]), entry.shard_id
     return None
 
 
-def load_named_weights(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, CheckpointTensor]],
-                       mapping: Iterable[StackedParam], skip: Callable[[str], bool] = lambda name: False) -> set[str]:
+def load_named_weights(
+    params: dict[str, nn.Parameter],
+    weights: Iterable[tuple[str, CheckpointTensor]],
+    mapping: Iterable[StackedParam],
+    skip: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
     """Copy each checkpoint tensor (its part this rank owns, through the parameter's
     `weight_loader` when it has one) into `params`; the names loaded. ValueError for a
     name that is neither a parameter nor stacked into one; `skip(name)` ones are passed."""
@@ -312,6 +346,7 @@ def load_named_weights(params: dict[str, nn.Parameter], weights: Iterable[tuple[
 
 
 # ---- the causal LM -------------------------------------------------------------------------
+
 
 class CausalLM(nn.Module):
     """A decoder-only model with an LM head. Returns each request's next-token logits
@@ -353,14 +388,21 @@ class CausalLM(nn.Module):
             layer.prepare_fused_decode()
         self.model.embed_tokens.finish_loading(shared_with_head=self.tie_word_embeddings)
         if dequantized and linear_backend == "auto":
-            logger.info("GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
-                        ", ".join(sorted(dequantized)))
+            logger.info(
+                "GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",
+                ", ".join(sorted(dequantized)),
+            )
         if at_load:
             done = [m for _, m in linears if m.quantized_at_load]
             dense = sorted({re.sub(r"\.\d+\.", ".*.", name) for name, m in linears if not m.quantized_at_load})
-            logger.info("--quantization %s: %d of %d linear layers quantized (%d on the quantized kernel)%s",
-                        at_load, len(done), len(linears), sum(m.quant_kernel is not None for m in done),
-                        f"; dense (input width not a multiple of 32): {', '.join(dense)}" if dense else "")
+            logger.info(
+                "--quantization %s: %d of %d linear layers quantized (%d on the quantized kernel)%s",
+                at_load,
+                len(done),
+                len(linears),
+                sum(m.quant_kernel is not None for m in done),
+                f"; dense (input width not a multiple of 32): {', '.join(dense)}" if dense else "",
+            )
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, ctx: ModelContext) -> LogitsProcessorOutput:

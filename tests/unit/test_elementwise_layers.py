@@ -93,7 +93,7 @@ def test_rms_norm_over_heads(dtype, impl):
     torch.manual_seed(2)
     norm = make_norm(16, dtype)
     qkv = torch.randn(3, 10 * 16).to(dtype)
-    q = qkv[:, : 6 * 16].view(3, 6, 16)  # a strided view, as LlamaAttention passes it
+    q = qkv[:, : 6 * 16].view(3, 6, 16)  # a strided view, as models/base.Attention passes it
     assert_matches(norm(q), hf_rms_norm(q, norm.weight, norm.eps), impl)
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from runner_steps import greedy_steps, hf_greedy, make_runner
 from transformers import AutoModelForCausalLM
 
-from runner_steps import greedy_steps, hf_greedy, make_runner
 from tandem.entrypoints.sglang_routes import model_info
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
@@ -50,10 +50,15 @@ def filled(layer: LinearBase, seed: int) -> LinearBase:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("make", [lambda: ColumnParallelLinear(96, 37, bias=True),
-                                  lambda: RowParallelLinear(160, 29, bias=True),
-                                  lambda: MergedColumnParallelLinear(64, [19, 23])],
-                         ids=["column-bias", "row-bias", "merged"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ColumnParallelLinear(96, 37, bias=True),
+        lambda: RowParallelLinear(160, 29, bias=True),
+        lambda: MergedColumnParallelLinear(64, [19, 23]),
+    ],
+    ids=["column-bias", "row-bias", "merged"],
+)
 def test_layer_equals_linear_on_gguf_rounded_weights(method, make):
     layer = filled(make(), seed=3)
     weight = rounded(layer.weight.data, method)
@@ -129,24 +134,38 @@ def test_greedy_tokens_equal_transformers_on_rounded_weights(model_dirs, arch, m
 
 # ---- server arguments ----------------------------------------------------------------------
 
+
 def _parse(*argv: str) -> ServerArgs:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/m", "--device", "cpu", *argv]))
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model-path", "/models/m.Q4_K_M.gguf", "--quantization", "q8_0"],
-     "--quantization q8_0 quantizes a Hugging Face checkpoint at load, but --model-path "
-     "'/models/m.Q4_K_M.gguf' is a GGUF model (served with its own blocks: drop --quantization q8_0)"),
-    (["--quantization", "q4_0", "--linear-backend", "torch"],
-     "--quantization q4_0 with --linear-backend torch: only the auto backend has the quantized kernels"),
-    (["--quantization", "q4_1", "--device", "cuda", "--chunked-prefill-size", "-1"],
-     "--quantization q4_1 with --device cuda: the quantized kernels are CPU-only"),
-    (["--quantization", "awq"], "--quantization awq: not supported; the methods built are gguf (a GGUF "
-     "model's own blocks; implied by a GGUF path) and q8_0, q4_0, q4_1 (a Hugging Face checkpoint quantized at load)"),
-    (["--quantization", "fp8"], "--quantization fp8: not supported;"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--model-path", "/models/m.Q4_K_M.gguf", "--quantization", "q8_0"],
+            "--quantization q8_0 quantizes a Hugging Face checkpoint at load, but --model-path "
+            "'/models/m.Q4_K_M.gguf' is a GGUF model (served with its own blocks: drop --quantization q8_0)",
+        ),
+        (
+            ["--quantization", "q4_0", "--linear-backend", "torch"],
+            "--quantization q4_0 with --linear-backend torch: only the auto backend has the quantized kernels",
+        ),
+        (
+            ["--quantization", "q4_1", "--device", "cuda", "--chunked-prefill-size", "-1"],
+            "--quantization q4_1 with --device cuda: the quantized kernels are CPU-only",
+        ),
+        (
+            ["--quantization", "awq"],
+            "--quantization awq: not supported; the methods built are gguf (a GGUF "
+            "model's own blocks; implied by a GGUF path) and q8_0, q4_0, q4_1 "
+            "(a Hugging Face checkpoint quantized at load)",
+        ),
+        (["--quantization", "fp8"], "--quantization fp8: not supported;"),
+    ],
+)
 def test_bad_combinations_are_refused_in_one_line(argv, message):
     with pytest.raises(ValueError) as e:
         _parse(*argv).validate()
