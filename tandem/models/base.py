@@ -54,12 +54,20 @@ logger = logging.getLogger(__name__)
 
 def rope_settings(config) -> tuple[float, dict | None]:
     """(theta, scaling dict or None) from either the old (`rope_theta`/`rope_scaling`) or
-    the transformers 5 (`rope_parameters`) form of a config."""
+    the transformers 5 (`rope_parameters`) form of a config. The scaling dict gets the
+    config's top-level `original_max_position_embeddings` (Phi-3's old form) if it lacks one."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = getattr(config, "rope_theta", None) or params.get("rope_theta", 10000.0)
     scaling = getattr(config, "rope_scaling", None) or params
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    return float(theta), (dict(scaling) if kind not in (None, "default") else None)
+    if kind in (None, "default"):
+        return float(theta), None
+    scaling = dict(scaling)
+    if scaling.get("original_max_position_embeddings") is None:
+        orig = getattr(config, "original_max_position_embeddings", None)
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = orig
+    return float(theta), scaling
 
 
 def head_dim_of(config) -> int:
