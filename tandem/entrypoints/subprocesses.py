@@ -35,7 +35,7 @@ from tandem.distributed.placement import local_scheduler_ranks
 from tandem.entrypoints.health import EngineHealth
 from tandem.messages import ReadyMessage
 from tandem.scheduler.forward_watchdog import new_forward_stamp
-from tandem.scheduler.scheduler import run_scheduler_process
+from tandem.scheduler.process import run_scheduler_process
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
 from tandem.utils.ipc_dirs import remove_stale_ipc_dirs

@@ -24,7 +24,7 @@ import torch
 from tandem import finish_reason
 from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.layers.sampler import SamplingBatchInfo
-from tandem.messages import DetokenizeParams
+from tandem.messages import DetokenizeParams, TokenizedGenerateReqInput
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.scheduler.future_map import FutureMap
@@ -107,6 +107,31 @@ class Req:
             return self.output_ids
         assert self.pending_tokens == 1, "at most one forward of a request is pending"
         return self.output_ids + [FutureMap.placeholder(self.req_pool_idx)]
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReqInput) -> Req:
+        return cls(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            token_ids_logprob=msg.token_ids_logprob,
+        )
+
+    def set_output_limits(self, max_seq_len: int, eos_token_ids: set[int]) -> None:
+        """Cap the output so that this request alone always fits `max_seq_len` tokens (the
+        context and the KV pool: the tokenizer manager has refused prompts that cannot fit),
+        and list the ids masked until min_new_tokens are out: its stop ids and EOS (not EOS
+        when it is ignored or a grammar decides where the output ends)."""
+        sp = self.sampling_params
+        sp.max_new_tokens = min(sp.max_new_tokens, max_seq_len - self.prompt_len)
+        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        if sp.min_new_tokens > 0:
+            eos = set() if sp.ignore_eos or sp.grammar_key() is not None else eos_token_ids
+            self.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
 
     # ---- applying a forward's result (the scheduler's process_batch_result) ----------
     def accept_token(self, token_id: int) -> None:

@@ -24,24 +24,17 @@ its own request, with a 500 finish (`finish_reason.internal_error`).
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import signal
-import sys
 import traceback
 from typing import Any
-
-import zmq
 
 from tandem import finish_reason
 from tandem.constrained.grammar_queue import GrammarQueue
 from tandem.constrained.xgrammar_backend import XGrammarBackend
-from tandem.distributed import init_tp_group, is_peer_failure
-from tandem.distributed.placement import SchedulerRank, describe_other_nodes, gpu_id, init_method
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
-from tandem.messages import AbortReq, ReadyMessage, TokenizedGenerateReqInput
+from tandem.messages import AbortReq, TokenizedGenerateReqInput
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.scheduler.batch_former import BatchFormer
 from tandem.scheduler.control import SchedulerControl
@@ -50,19 +43,11 @@ from tandem.scheduler.forward_executor import BatchLauncher, ForwardExecutor, Fo
 from tandem.scheduler.forward_watchdog import ForwardWatchdog
 from tandem.scheduler.profiler import SchedulerProfiler
 from tandem.scheduler.schedule_batch import Req, ScheduleBatch
-from tandem.scheduler.scheduler_io import SchedulerIOBase, make_scheduler_io
+from tandem.scheduler.scheduler_io import SchedulerIOBase
 from tandem.scheduler.scheduler_output import build_batch_output
 from tandem.scheduler.throughput import GenThroughput
 from tandem.scheduler.tp_worker import HostBatchResult, TpModelWorker
-from tandem.server_args import PortArgs, ServerArgs
-from tandem.utils import zmq_io
-from tandem.utils.process import (
-    configure_logging,
-    ignore_stop_signals,
-    report_scheduler_failure,
-    set_parent_death_signal,
-    set_process_title,
-)
+from tandem.server_args import ServerArgs
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -227,33 +212,14 @@ class Scheduler:
         self.send_outputs([req])
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(
-            rid=msg.rid,
-            origin_input_ids=list(msg.input_ids),
-            sampling_params=msg.sampling_params,
-            stream=msg.stream,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            token_ids_logprob=msg.token_ids_logprob,
-        )
+        req = Req.from_message(msg)
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.batches.waiting_queue) + len(self.grammar_queue) >= limit:
             req.finished_reason = finish_reason.abort(f"the server is busy: {limit} requests are already waiting", 503)
             self.send_outputs([req])
             return
-        sp = req.sampling_params
-        # The tokenizer manager has rejected prompts that cannot fit the context or the
-        # KV pool; the output is capped so that one request alone always fits both.
-        sp.max_new_tokens = min(
-            sp.max_new_tokens, self.context_len - req.prompt_len, self.max_total_num_tokens - req.prompt_len
-        )
-        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
-        if sp.min_new_tokens > 0:
-            # A grammar ends only with EOS (its stop token), so it decides where the output ends.
-            eos = set() if sp.ignore_eos or sp.grammar_key() is not None else self.finish_checker.eos_token_ids
-            req.min_tokens_banned = sorted(set(sp.stop_token_ids) | eos)
-        if sp.grammar_key() is None:
+        req.set_output_limits(min(self.context_len, self.max_total_num_tokens), self.finish_checker.eos_token_ids)
+        if req.sampling_params.grammar_key() is None:
             self.batches.waiting_queue.append(req)
         elif self.grammar_backend is None:  # the tokenizer manager refuses these first
             req.finished_reason = finish_reason.abort("structured output is disabled on this server", 400)
@@ -375,52 +341,3 @@ class Scheduler:
         if out is not None:
             self.num_finished_reqs += sum(o.finished_reason is not None for o in out.outputs)
             self.io.send_output(out)
-
-
-def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, rank: SchedulerRank | None = None, forward_stamp: Any = None
-) -> None:
-    """Entry of the scheduler subprocess of `rank`: set up, report readiness, then loop
-    until the parent ends it (SIGKILL). A crash, a forward past --watchdog-timeout, or a
-    collective that fails because another rank (or node) is gone brings the server down
-    (`report_scheduler_failure`)."""
-    rank = rank if rank is not None else SchedulerRank(0)
-    name = rank.name
-    set_parent_death_signal()
-    set_process_title(f"tandem::{name}")
-    configure_logging(server_args.log_level, name.replace("_", " "))
-    faulthandler.register(signal.SIGUSR1)
-    ignore_stop_signals()  # the parent drains, then ends us
-    ready = zmq_io.make_socket(zmq.Context.instance(), zmq.PUSH, port_args.ready, bind=False)
-    try:
-        tp = init_tp_group(
-            rank.tp_rank,
-            server_args.tp_size,
-            server_args.device,
-            init_method(server_args, port_args.ipc_dir, rank.dp_rank),
-            gpu_id(server_args, rank),
-            timeout_s=server_args.watchdog_timeout,
-        )
-        io = make_scheduler_io(port_args, server_args.skip_tokenizer_init, tp, rank.dp_rank)
-        scheduler = Scheduler(server_args, io, tp_rank=rank.tp_rank, forward_stamp=forward_stamp, dp_rank=rank.dp_rank)
-    except Exception as e:  # report the start-up failure, then exit
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
-        sys.exit(1)
-    zmq_io.send(ready, ReadyMessage(process=name, info=scheduler.info()))
-    scheduler.watchdog.start(on_timeout=report_scheduler_failure)
-    try:
-        scheduler.event_loop()
-    except Exception as e:
-        if tp.size > 1 and is_peer_failure(e):
-            others = describe_other_nodes(server_args)
-            logger.error(
-                "%s: a collective of the TP group failed: another rank%s died or stopped answering (%s); shutting down",
-                name,
-                f" ({others})" if others else "",
-                e,
-            )
-        else:
-            logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        report_scheduler_failure()
-        sys.exit(1)
