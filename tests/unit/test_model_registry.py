@@ -32,7 +32,7 @@ def test_unsupported_architecture_lists_the_supported():
     with pytest.raises(
         ValueError,
         match=r"not supported; supported: \['LlamaForCausalLM', 'MistralForCausalLM', "
-        r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]",
+        r"'Phi3ForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]",
     ):
         resolve_model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"]))
 
