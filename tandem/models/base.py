@@ -177,11 +177,21 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, the residual adds fused into the norms."""
 
     def __init__(
-        self, config, layer_id: int, tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding, options: LayerOptions
+        self,
+        config,
+        layer_id: int,
+        tp_rank: int,
+        tp_size: int,
+        rotary_emb: RotaryEmbedding,
+        options: LayerOptions,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.self_attn = Attention(config, layer_id, tp_rank, tp_size, rotary_emb, options)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size, options.activation)
+        # `mlp`: the family's own block for this layer (a MoE block, `CausalLM.make_mlp`), else the dense one
+        if mlp is None:
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp_rank, tp_size, options.activation)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_decode = None  # set by prepare_fused_decode once the weights are loaded
@@ -192,6 +202,8 @@ class DecoderLayer(nn.Module):
         SiLU MLP, the C++ kernels built), else None."""
         self.fused_decode = None
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, GatedMLP):  # a family's own MLP block (MoE): the kernel computes a GatedMLP
+            return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ops = cpu_kernels.load()
         if (
@@ -246,13 +258,28 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers (each with `layer_options(config, i)`), final norm."""
 
-    def __init__(self, config, tp_rank: int, tp_size: int, layer_options: Callable[[object, int], LayerOptions]):
+    def __init__(
+        self,
+        config,
+        tp_rank: int,
+        tp_size: int,
+        layer_options: Callable[[object, int], LayerOptions],
+        make_mlp: Callable[[object, int, int, int], nn.Module | None] | None = None,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.rotary_emb = make_rotary_embedding(config)
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, i, tp_rank, tp_size, self.rotary_emb, layer_options(config, i))
+                DecoderLayer(
+                    config,
+                    i,
+                    tp_rank,
+                    tp_size,
+                    self.rotary_emb,
+                    layer_options(config, i),
+                    make_mlp(config, i, tp_rank, tp_size) if make_mlp else None,
+                )
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -369,10 +396,16 @@ class CausalLM(nn.Module):
         """The options of decoder layer `layer_id` (the plain Llama layer by default)."""
         return LayerOptions()
 
+    @classmethod
+    def make_mlp(cls, config, layer_id: int, tp_rank: int, tp_size: int) -> nn.Module | None:
+        """The MLP block of decoder layer `layer_id` when the family has its own there
+        (a mixture-of-experts block: `tandem/models/moe.py`); None for the dense `GatedMLP`."""
+        return None
+
     def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, tp_rank, tp_size, self.layer_options)
+        self.model = DecoderModel(config, tp_rank, tp_size, self.layer_options, self.make_mlp)
         self.logits_processor = LogitsProcessor()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
@@ -417,9 +450,10 @@ class CausalLM(nn.Module):
         hidden = self.model.forward(fb.input_ids, fb.positions, fb, ctx)
         return self.logits_processor(hidden, self.lm_head.forward, fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]], require_all: bool = True) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]], require_all: bool = True) -> set[str]:
         """Copy each checkpoint tensor's part that this rank owns into its parameter;
-        ValueError for an unknown name or, with `require_all`, a parameter left unloaded."""
+        ValueError for an unknown name or, with `require_all`, a parameter left unloaded.
+        Returns the names of the parameters loaded."""
         params = dict(self.named_parameters())
         tied = self.tie_word_embeddings
 
@@ -436,3 +470,4 @@ class CausalLM(nn.Module):
         missing = set(params) - loaded
         if missing and require_all:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+        return loaded

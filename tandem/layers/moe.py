@@ -1,0 +1,145 @@
+"""The fused expert layer of mixture-of-experts models (SGLang's `FusedMoE`).
+
+`select_experts`: router logits -> softmax (float32) -> top-k, optionally renormalized
+over the k chosen (Mixtral; Qwen MoE's `norm_topk_prob`), the weights kept in float32
+(Mixtral) or cast to the model's dtype (Qwen2-MoE, Qwen3-MoE), as transformers does.
+
+`fused_experts`: the (token, expert) assignments flattened and sorted by expert once
+(one argsort, no Python loop over tokens), each active expert's tokens then a contiguous
+slice multiplied by that expert's gate/up and down weights (two matmuls per active
+expert), the outputs weighted and scatter-added back to their tokens (`index_add_`).
+
+`FusedMoE` holds every expert's weights stacked, in transformers 5's layout and names:
+`gate_up_proj` [E, 2 * I, H] (gate rows first) and `down_proj` [E, H, I]. Checkpoints
+store one tensor per expert and projection (`experts.N.gate_proj` / `w1`, ...); the
+weight loader takes those (shard id `(N, "gate"|"up"|"down")`) or the stacked 3-D tensor
+(shard id None). Under tensor parallelism each rank holds a slice of every expert's
+intermediate dimension (gate/up rows, down columns): the layer returns partial sums and
+its caller all-reduces once (`reduce=True` does it here).
+
+The expert weights stay dense under `--quantization q8_0|q4_0|q4_1` (no quantized kernel
+for stacked experts yet; the model logs it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.distributed import tensor_model_parallel_all_reduce
+from tandem.layers.activation import SiluAndMul
+from tandem.layers.linear import divide
+from tandem.layers.weight_shard import read_shard
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]): softmax in float32 over the experts, top-k,
+    divided by their sum when `renormalize`, cast to `weights_dtype` when given."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weights_dtype is not None:
+        weights = weights.to(weights_dtype)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: nn.Module | None = None,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(act(gate_up_e(x[t]))), e = topk_ids[t, j], for
+    every token t of `x` [T, H]; `w13` [E, 2I, H], `w2` [E, H, I]. The result is in x's
+    dtype (each weighted expert output rounded to it before the sum, as transformers)."""
+    act = act or SiluAndMul()
+    tokens, k = topk_ids.shape
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)
+    if tokens == 0:
+        return out
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _experts_without_host_sync(x, w13, w2, topk_weights, topk_ids, act, out)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k  # the token of each assignment, in expert order
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync
+    rows = x.index_select(0, token_of)
+    expert_out = torch.empty(tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        end = start + n
+        hidden = act.forward(torch.mm(rows[start:end], w13[expert].t()))
+        torch.mm(hidden, w2[expert].t(), out=expert_out[start:end])
+        start = end
+    weighted = (expert_out * topk_weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
+    return out.index_add_(0, token_of, weighted)
+
+
+def _experts_without_host_sync(x, w13, w2, topk_weights, topk_ids, act, out):
+    """`fused_experts` while a CUDA graph is captured (no host sync allowed): every
+    expert over every token, weighted by its (mostly zero) routing weight."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=topk_weights.dtype, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights)
+    for expert in range(w13.shape[0]):
+        y = torch.mm(act.forward(torch.mm(x, w13[expert].t())), w2[expert].t())
+        out.add_((y * dense[:, expert : expert + 1]).to(x.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SiLU-gated MLP, stacked; `forward(x, topk_weights, topk_ids)`."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        reduce: bool = False,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.intermediate = divide(intermediate_size, tp_size, "expert intermediate size")
+        self.reduce = reduce
+        i = self.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        for p in (self.gate_up_proj, self.down_proj):
+            p.weight_loader = self.weight_loader
+        self.act_fn = SiluAndMul()
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int, str] | None = None) -> None:
+        """Copy this rank's slice of `loaded`: one expert's projection for shard id
+        `(expert, "gate"|"up"|"down")` ([I, H] or [H, I] as checkpoints store them), or the
+        stacked [E, 2I, H] / [E, H, I] tensor for None."""
+        i, start = self.intermediate, self.tp_rank * self.intermediate
+        if shard_id is None:
+            if param is self.down_proj:
+                param.data.copy_(read_shard(loaded, 2, start, i))
+            else:  # gate rows [0, I) then up rows [I, 2I) of the checkpoint's stack
+                full = i * self.tp_size
+                param.data[:, :i].copy_(read_shard(loaded, 1, start, i))
+                param.data[:, i:].copy_(read_shard(loaded, 1, full + start, i))
+            return
+        expert, kind = shard_id
+        if kind == "down":
+            param.data[expert].copy_(read_shard(loaded, 1, start, i))
+        else:
+            offset = 0 if kind == "gate" else i
+            param.data[expert, offset : offset + i].copy_(read_shard(loaded, 0, start, i))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act_fn)
+        if self.reduce and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
