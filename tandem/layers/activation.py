@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated activation of Llama-family MLPs (SGLang's `SiluAndMul`)."""
+"""The gated activations of the MLPs: SiLU-and-mul (Llama families, SGLang's `SiluAndMul`) and
+GELU(tanh)-and-mul (Gemma's `gelu_pytorch_tanh`, SGLang's `GeluAndMul`)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+class GeluTanhAndMul(nn.Module):
+    """`gelu(x[..., :d], approximate="tanh") * x[..., d:]` (transformers' `gelu_pytorch_tanh`
+    gate times up, each op rounding to the input's dtype), in two PyTorch kernels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])

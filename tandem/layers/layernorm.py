@@ -1,5 +1,5 @@
-"""RMSNorm as Llama/Qwen define it, with the residual add folded into the call (SGLang's
-`RMSNorm.forward(x, residual)`)."""
+"""RMSNorm as Llama/Qwen define it, and Gemma's (`1 + weight`), with the residual add folded
+into the call (SGLang's `RMSNorm.forward(x, residual)`)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,27 @@ class RMSNorm(nn.Module):
         if ops is not None and x.dim() in (2, 3) and x.stride(-1) == 1:
             return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), None, self.eps).mul_(self.weight)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (transformers' `Gemma2RMSNorm` / `Gemma3RMSNorm`): `x / sqrt(mean(x^2)
+    + eps) * (1 + weight)`, all of it in float32 and rounded to `x`'s dtype once at the end
+    (Llama rounds before it scales); the checkpoint's weight is the offset from 1.
+    `forward(x, residual)` as `RMSNorm`'s: the sum (in the model's dtype, in place into `x`)
+    normalized, and the sum, the next residual. PyTorch ops on every device."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x.add_(residual)
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)

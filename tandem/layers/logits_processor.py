@@ -48,10 +48,19 @@ def token_ids_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> list[lis
 
 
 class LogitsProcessor:
+    """`final_logit_softcapping` (Gemma 2): every logit it returns, and every one its
+    logprobs are computed from, is `cap * tanh(logit / cap)` (in float32), as transformers
+    caps the LM head's output before sampling."""
+
+    def __init__(self, final_logit_softcapping: float | None = None):
+        self.softcap = float(final_logit_softcapping or 0.0)
+
     def __call__(
         self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], fb: ForwardBatch
     ) -> LogitsProcessorOutput:
         """`lm_head` maps hidden states [n, hidden] to logits [n, vocab]."""
+        if self.softcap > 0:
+            lm_head = self._capped(lm_head, self.softcap)
         if fb.forward_mode.is_decode():
             return LogitsProcessorOutput(lm_head(hidden).float(), [None] * fb.batch_size)
         last = hidden[fb.last_token_indices()]
@@ -76,6 +85,13 @@ class LogitsProcessor:
                 )
             offset += extend_len
         return out
+
+    @staticmethod
+    def _capped(lm_head: Callable[[torch.Tensor], torch.Tensor], cap: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def capped(hidden: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(lm_head(hidden).float() / cap).mul_(cap)
+
+        return capped
 
     @staticmethod
     def _input_logprobs(

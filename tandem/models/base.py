@@ -35,7 +35,7 @@ from torch import nn
 
 from tandem.forward_batch import ForwardBatch
 from tandem.kernels import cpu as cpu_kernels
-from tandem.layers.activation import SiluAndMul
+from tandem.layers.activation import GeluTanhAndMul, SiluAndMul
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -92,7 +92,7 @@ def make_rotary_embedding(config) -> RotaryEmbedding:
 # ---- per-layer options ---------------------------------------------------------------------
 
 # The MLP's gated activations: name -> module applied to the fused gate/up output.
-ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"silu": SiluAndMul}
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"silu": SiluAndMul, "gelu_tanh": GeluTanhAndMul}
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,9 @@ class LayerOptions:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama's `attention_bias`)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     activation: str = "silu"  # the MLP's gated activation, a key of ACTIVATIONS
+    sliding_window: int = 0  # > 0: the query at p sees the keys at (p - window, p] (Gemma's sliding layers)
+    attn_logit_softcap: float = 0.0  # > 0: scores = cap * tanh(scores / cap) (Gemma 2)
+    attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -131,7 +134,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = self.head_dim**-0.5 if options.attn_scale is None else options.attn_scale
+        self.sliding_window, self.logit_cap = options.sliding_window, options.attn_logit_softcap
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, False, tp_rank, tp_size)
         self.qk_norm = options.qk_norm
         if self.qk_norm:
@@ -153,7 +157,15 @@ class Attention(nn.Module):
             q, k = self.rotary_emb.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         ctx.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         out = ctx.attn_backend.forward(
-            q, self.layer_id, fb, self.scaling, self.num_heads, self.num_kv_heads, self.head_dim
+            q,
+            self.layer_id,
+            fb,
+            self.scaling,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            sliding_window=self.sliding_window,
+            logit_cap=self.logit_cap,
         )
         return self.o_proj.forward(out)
 
@@ -198,8 +210,8 @@ class DecoderLayer(nn.Module):
 
     def prepare_fused_decode(self) -> None:
         """`fused_decode`: the weights `tandem_cpu.decode_layer` takes, when it can run this
-        layer (one tensor-parallel rank, every linear quantized, no per-head q/k norm, a
-        SiLU MLP, the C++ kernels built), else None."""
+        layer (one tensor-parallel rank, every linear quantized, no per-head q/k norm, no
+        sliding window or logit soft-cap, a SiLU MLP, the C++ kernels built), else None."""
         self.fused_decode = None
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, GatedMLP):  # a family's own MLP block (MoE): the kernel computes a GatedMLP
@@ -210,6 +222,8 @@ class DecoderLayer(nn.Module):
             ops is None
             or attn.qkv_proj.tp_size != 1
             or attn.qk_norm
+            or attn.sliding_window
+            or attn.logit_cap
             or mlp.activation != "silu"
             or any(m.quant_kernel is None for m in linears)
             or self.input_layernorm.eps != self.post_attention_layernorm.eps

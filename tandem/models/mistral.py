@@ -1,6 +1,6 @@
 """Mistral (`MistralForCausalLM`): Llama's layer (no q/k/v bias unless the config says
-`attention_bias`). The config's `sliding_window` is not applied: Tandem's attention
-backends attend over the whole context (exact for prompts no longer than the window)."""
+`attention_bias`), every layer with the config's `sliding_window` when it has one (the
+query at p sees the keys at (p - window, p], as transformers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from tandem.models.base import CausalLM, LayerOptions
 class MistralForCausalLM(CausalLM):
     @classmethod
     def layer_options(cls, config, layer_id: int) -> LayerOptions:
-        return LayerOptions(qkv_bias=bool(getattr(config, "attention_bias", False)))
+        return LayerOptions(
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            sliding_window=int(getattr(config, "sliding_window", None) or 0),
+        )
 
 
 EntryClass = [MistralForCausalLM]

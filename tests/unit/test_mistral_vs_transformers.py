@@ -1,7 +1,7 @@
 """Mistral (tandem/models/mistral.py) against transformers on a tiny random model made
 with transformers' own MistralConfig/MistralForCausalLM: fp32 greedy tokens equal and
-every step's logits within 1e-4 of their largest. The window is longer than the prompts
-and generations here (Tandem does not apply `sliding_window`)."""
+every step's logits within 1e-4 of their largest, with a window longer than the prompts and
+generations and with one (5 keys) shorter than most of them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 40))]
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def tiny_mistral_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=[4096, 5], ids=["long-window", "window-5"])
+def tiny_mistral_dir(tmp_path_factory, request):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
@@ -27,13 +27,13 @@ def tiny_mistral_dir(tmp_path_factory):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        sliding_window=4096,
+        sliding_window=request.param,
         tie_word_embeddings=False,
     )
     model = MistralForCausalLM(config)
     with torch.no_grad():  # spread the logits (random init leaves them near-uniform)
         model.lm_head.weight.mul_(20)
-    path = tmp_path_factory.mktemp("models") / "tiny-mistral"
+    path = tmp_path_factory.mktemp("models") / f"tiny-mistral-{request.param}"
     model.save_pretrained(path)
     return path
 

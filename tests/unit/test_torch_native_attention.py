@@ -162,9 +162,9 @@ def test_mixed_batch_splits_into_extend_and_decode(dtype, tol, decode_lens, monk
     def spy(name: str) -> None:
         method = getattr(backend, name)
 
-        def call(q, layer_id, fb, *rest):
+        def call(q, layer_id, fb, *rest, **window_cap):
             calls.append((name, fb.forward_mode, fb.batch_size, q.shape[0]))
-            return method(q, layer_id, fb, *rest)
+            return method(q, layer_id, fb, *rest, **window_cap)
 
         monkeypatch.setattr(backend, name, call)
 

@@ -63,6 +63,7 @@ template <typename T, int C>
 struct DecodeTask {
   int64_t group, chunks;
   float scale;
+  float softcap;  // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping)
 
   // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors.
   void run(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
@@ -106,6 +107,10 @@ struct DecodeTask {
     float inv[256];
     for (int64_t i = 0; i < queries; ++i) {
       float* si = scores + i * max_len;
+      if (softcap > 0.f) {
+        const float inv_cap = 1.f / softcap;
+        for (int64_t t = 0; t < len; ++t) si[t] = softcap * std::tanh(si[t] * inv_cap);
+      }
       float peak = -INFINITY;
       for (int64_t t = 0; t < len; ++t) peak = si[t] > peak ? si[t] : peak;
       float total = 0.f;
@@ -137,10 +142,11 @@ struct DecodeTask {
 template <typename T, int C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                           const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                           at::Tensor& out) {
   const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
-  const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale)};
+  const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale), static_cast<float>(softcap)};
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
@@ -162,9 +168,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     std::vector<vec16> work(queries * (2 * (head_dim / 16) + 16));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / splits, h0 = (i % splits) * kv_per_task;
+      // A sliding window: the query (position lens[b] - 1) sees the last `window` keys only.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       task.run(q_ptr + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1), k_ptr + h0 * k_cache.stride(1),
                v_ptr + h0 * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), kv_per_task,
-               table + rows[b] * table_stride, lens[b], max_len, scores.data(), work.data(),
+               table + rows[b] * table_stride + first, lens[b] - first, max_len, scores.data(), work.data(),
                out_ptr + (b * num_heads + h0 * group) * head_dim);
     }
   });
@@ -173,12 +181,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                       const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                       const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                       at::Tensor& out) {
   switch (q.size(2)) {
-    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
-    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
-    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
-    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, out);
+    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
+    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
+    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
+    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
   }
 }
 
@@ -188,10 +197,13 @@ namespace tandem_cpu {
 
 // q [bs, num_heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
 // pool, q's dtype); req_to_token [rows, max_context] int64; req_pool_indices, seq_lens [bs]
-// int64. Returns [bs, num_heads * head_dim] in q's dtype.
+// int64. `window` > 0: each query sees only the last `window` keys of its request (keys at
+// positions (p - window, p] for the query at p, transformers' sliding window); `softcap` > 0:
+// the scaled scores are soft-capped, softcap * tanh(s / softcap), before the softmax.
+// Returns [bs, num_heads * head_dim] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "decode_attention: q, k, v must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
@@ -211,13 +223,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
       break;
     case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
       break;
     default:
       TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
@@ -263,6 +275,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.impl("kv_write", c10::DispatchKey::CPU, &tandem_cpu::kv_write);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float scale, int window=0, float softcap=0.) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, &tandem_cpu::decode_attention);
 }

@@ -14,7 +14,7 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale);
+                            const at::Tensor& seq_lens, double scale, int64_t window = 0, double softcap = 0.0);
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,

@@ -41,10 +41,18 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        sliding_window: int = 0,
+        logit_cap: float = 0.0,
     ) -> torch.Tensor:
+        """`sliding_window` > 0: the query at position p attends to the keys at positions
+        (p - sliding_window, p] only (transformers' sliding window: Mistral, Gemma 2/3's
+        sliding layers); the keys before stay in the pool, masked. `logit_cap` > 0: the
+        scaled scores are soft-capped, `logit_cap * tanh(scores / logit_cap)`, before the
+        softmax (Gemma 2's `attn_logit_softcapping`)."""
+        args = (q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
         if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
-        return self.forward_extend(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
+            return self.forward_decode(*args, sliding_window=sliding_window, logit_cap=logit_cap)
+        return self.forward_extend(*args, sliding_window=sliding_window, logit_cap=logit_cap)
 
     def cpu_decode_tables(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
         """(req_to_token, req_pool_indices, seq_lens) when this forward is a plain decode that
@@ -62,6 +70,8 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        sliding_window: int = 0,
+        logit_cap: float = 0.0,
     ) -> torch.Tensor:
         """One query token per request, over its `seq_lens[i]` keys."""
 
@@ -75,6 +85,8 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        sliding_window: int = 0,
+        logit_cap: float = 0.0,
     ) -> torch.Tensor:
         """`extend_lens[i]` query tokens per request: the cached prefix plus the causal new part."""
 

@@ -35,7 +35,22 @@ class ExtendGroup:
     slots: torch.Tensor  # [size * num_keys] KV slot per (request, key position); 0 past the end
     query_index: torch.Tensor | None  # [size * num_queries] token of q per padded row; None: q itself
     mask: torch.Tensor | None  # [size, 1, num_queries, num_keys] bool; None: causal, no prefix
+    prefix: torch.Tensor | None = None  # [size] cached prefix length of each request (host)
     _stacked_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[size, 1, num_queries, num_keys] bool on the slots' device: query j of request i
+        (position prefix_i + j) sees the keys at (prefix_i + j - window, prefix_i + j], or
+        all of 0..prefix_i + j when `window` is 0 (built by the first layer, reused)."""
+        if window not in self._window_masks:
+            qpos = self.prefix.view(-1, 1, 1) + torch.arange(self.num_queries).view(1, -1, 1)
+            kpos = torch.arange(self.num_keys).view(1, 1, -1)
+            mask = kpos <= qpos
+            if window > 0:
+                mask &= kpos > qpos - window
+            self._window_masks[window] = mask.unsqueeze(1).to(self.slots.device)
+        return self._window_masks[window]
 
     def stacked_mask(self, group_heads: int) -> torch.Tensor:
         """`mask` for `group_heads` query heads stacked on the query axis, head-major:
@@ -116,7 +131,7 @@ def plan_extend(fb: ForwardBatch, req_to_token: torch.Tensor) -> ExtendPlan:
         for k, i in enumerate(members):
             padded_row[i] = offset + k * n_max
         offset += len(members) * n_max
-        groups.append(ExtendGroup(len(members), n_max, l_max, slots, query_index, mask))
+        groups.append(ExtendGroup(len(members), n_max, l_max, slots, query_index, mask, prefix))
     lens = torch.tensor(extend_lens)
     token = torch.arange(int(lens.sum()))
     output_index = token + (torch.tensor(padded_row) - torch.tensor(starts)).repeat_interleave(lens)

@@ -19,6 +19,11 @@ Requests are ragged; the model never computes padded tokens:
   With `--enable-torch-compile` (and no C++ kernel) the blocked path instead runs `paged_decode` compiled by
   Inductor, which reads K and V through the slot table in place (no gathered copy); it is
   compiled when the backend is built (server start), not on the first request.
+- SLIDING WINDOW and LOGIT SOFT-CAP (per layer: `sliding_window`, `logit_cap`): the C++
+  decode kernel takes both; extend with a window only runs SDPA with the windowed causal
+  mask (`ExtendGroup.window_mask`); a soft-capped layer's extend, and the PyTorch decode
+  of either, compute the scores explicitly in float32 (`masked_attention`: SDPA cannot
+  soft-cap). The keys before a window stay in the pool, masked.
 - MIXED (`--enable-mixed-chunk`: an EXTEND batch whose last rows are running requests
   decoding one token each, `ForwardBatch.num_prefill`): the prefill rows take the extend
   path and the decode rows the batched decode, in the same forward.
@@ -58,6 +63,24 @@ def paged_decode(
     scores = scores.masked_fill(~valid.view(bs, -1, 1, 1), float("-inf"))
     out = (scores.softmax(dim=1).unsqueeze(-1) * v.unsqueeze(3)).sum(1)  # [bs, kv_heads, group, D]
     return out.to(q.dtype).reshape(bs, kv_heads * group * head_dim)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float, logit_cap: float
+) -> torch.Tensor:
+    """Attention with explicit scores, in float32: q [b, H, n, D], k/v [b, KVH, L, D] (query
+    head h reads KV head h // (H / KVH)), mask broadcastable to [b, H, n, L] (True: seen).
+    Scores scaled, soft-capped when `logit_cap` > 0 (`logit_cap * tanh(s / logit_cap)`),
+    masked, softmaxed. Returns [b, H, n, D] in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float(), v.float()
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scaling
+    if logit_cap > 0:
+        scores = torch.tanh(scores / logit_cap).mul_(logit_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -125,13 +148,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         prefill = self.mixed_parts[0] if self.mixed_parts else forward_batch
         self.extend_plan = plan_extend(prefill, self.req_to_token) if prefill.forward_mode.is_extend() else None
 
-    def forward(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward(
+        self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
+    ):
         """As `AttentionBackend.forward`, but a mixed batch is split (`_forward_mixed`)."""
+        args = (q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
         if forward_batch.is_mixed():
-            return self._forward_mixed(q, layer_id, scaling, num_heads, num_kv_heads, head_dim)
-        return super().forward(q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim)
+            return self._forward_mixed(*args, sliding_window=sliding_window, logit_cap=logit_cap)
+        return super().forward(*args, sliding_window=sliding_window, logit_cap=logit_cap)
 
-    def _forward_mixed(self, q, layer_id, scaling, num_heads, num_kv_heads, head_dim):
+    def _forward_mixed(self, q, layer_id, _fb, scaling, num_heads, num_kv_heads, head_dim, **window_cap):
         """A mixed batch in one call per layer: the prefill rows' tokens (first) take the
         extend path, the decode rows' tokens (after them, one each) the batched decode,
         as a decode batch of their own would."""
@@ -139,8 +165,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         split = prefill.num_tokens
         return torch.cat(
             [
-                self.forward_extend(q[:split], layer_id, prefill, scaling, num_heads, num_kv_heads, head_dim),
-                self.forward_decode(q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim),
+                self.forward_extend(
+                    q[:split], layer_id, prefill, scaling, num_heads, num_kv_heads, head_dim, **window_cap
+                ),
+                self.forward_decode(
+                    q[split:], layer_id, decode, scaling, num_heads, num_kv_heads, head_dim, **window_cap
+                ),
             ]
         )
 
@@ -149,7 +179,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             return None
         return self.req_to_token, fb.req_pool_indices, fb.seq_lens
 
-    def forward_decode(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_decode(
+        self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
+    ):
         if self.decode_kernel is not None:
             return self.decode_kernel(
                 q.view(fb.batch_size, num_heads, head_dim),
@@ -159,6 +191,12 @@ class TorchNativeAttnBackend(AttentionBackend):
                 fb.req_pool_indices,
                 fb.seq_lens,
                 scaling,
+                sliding_window,
+                logit_cap,
+            )
+        if sliding_window > 0 or logit_cap > 0:
+            return self._decode_masked(
+                q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim, sliding_window, logit_cap
             )
         if self._padded_waste_ok(fb):
             return self._decode_blocked(q, layer_id, fb, scaling, num_heads, num_kv_heads, head_dim)
@@ -199,6 +237,23 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling)
         return out.reshape(bs, num_heads * head_dim)
 
+    def _decode_masked(self, q, layer_id, fb: ForwardBatch, scaling, num_heads, num_kv_heads, head_dim, window, cap):
+        """Blocked decode with explicit scores (`masked_attention`): the request's keys past
+        the length mask, and before its window, are masked."""
+        bs = fb.batch_size
+        table, valid = self.forward_metadata
+        max_len = table.shape[1]
+        if window > 0:
+            kpos = torch.arange(max_len, device=valid.device).unsqueeze(0)
+            valid = valid & (kpos >= fb.seq_lens.unsqueeze(1) - window)
+        flat = table.reshape(-1)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
+        k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        out = masked_attention(q.view(bs, num_heads, 1, head_dim), k, v, valid.view(bs, 1, 1, max_len), scaling, cap)
+        return out.reshape(bs, num_heads * head_dim)
+
     def _kv_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[bs, max_len] KV slots of each request (slot 0 past its end) and the validity mask.
 
@@ -226,14 +281,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         return (out / denom.unsqueeze(-1)).to(q.dtype).reshape(bs, num_heads * head_dim)
 
-    def forward_extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_extend(
+        self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
+    ):
         """One SDPA call per group of `extend_plan` (built by `init_forward_metadata`), keys
         gathered with `index_select`, queries too unless the group is the batch as laid out.
         A causal group (no prefix) uses `is_causal` and `enable_gqa`; a masked group stacks
         the query heads sharing a KV head on SDPA's query axis ([size, kv_heads, group * n,
         D]), as blocked decode does: measured on 2 EPYC cores (one thread), PyTorch's CPU
         kernel in bfloat16 is then up to 5x faster for few queries over a long prefix,
-        while `is_causal` (which skips the blocks above the diagonal) wins on long prompts."""
+        while `is_causal` (which skips the blocks above the diagonal) wins on long prompts.
+        A windowed layer's group runs SDPA with its windowed mask, a soft-capped layer's
+        `masked_attention` (float32 scores)."""
         k_cache = self.kv_pool.k_buffer[layer_id]
         v_cache = self.kv_pool.v_buffer[layer_id]
         group_heads = num_heads // num_kv_heads
@@ -245,7 +304,20 @@ class TorchNativeAttnBackend(AttentionBackend):
             v = torch.index_select(v_cache, 0, group.slots).view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
             qg = q if group.query_index is None else torch.index_select(q, 0, group.query_index)
             qg = qg.reshape(size, n, num_heads, head_dim)
-            if group.mask is None:
+            if logit_cap > 0:
+                o = masked_attention(
+                    qg.transpose(1, 2), k, v, group.window_mask(sliding_window), scaling, logit_cap
+                ).transpose(1, 2)
+            elif sliding_window > 0:
+                o = F.scaled_dot_product_attention(
+                    qg.transpose(1, 2),
+                    k,
+                    v,
+                    attn_mask=group.window_mask(sliding_window),
+                    scale=scaling,
+                    enable_gqa=group_heads > 1,
+                ).transpose(1, 2)
+            elif group.mask is None:
                 o = F.scaled_dot_product_attention(
                     qg.transpose(1, 2), k, v, is_causal=True, scale=scaling, enable_gqa=group_heads > 1
                 ).transpose(1, 2)

@@ -3,7 +3,8 @@
 The kernels read K and V in place through `req_to_token` (no gather). Per batch,
 `init_forward_metadata` prepares what every layer shares: the split-K scratch of decode,
 the query offsets of extend. Decode runs under CUDA graphs: its metadata then lives in
-static buffers that the graph runner refills before each replay. On CPU the kernels run
+static buffers that the graph runner refills before each replay. Sliding windows and logit
+soft-caps are the kernels' compile-time constants (one variant per layer kind). On CPU the kernels run
 under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check them.
 """
 
@@ -68,7 +69,9 @@ class TritonAttnBackend(AttentionBackend):
             fb.req_pool_indices, fb.seq_lens, extend_lens.to(device), qo_start.to(device), max(fb.extend_lens_cpu)
         )
 
-    def forward_decode(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_decode(
+        self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
+    ):
         md = self.forward_metadata
         q = q.view(-1, num_heads, head_dim)
         o = torch.empty_like(q)
@@ -83,10 +86,14 @@ class TritonAttnBackend(AttentionBackend):
             md.att_out,
             md.att_lse,
             scaling,
+            sliding_window,
+            logit_cap,
         )
         return o.view(-1, num_heads * head_dim)
 
-    def forward_extend(self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim):
+    def forward_extend(
+        self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
+    ):
         md = self.forward_metadata
         q = q.view(-1, num_heads, head_dim)
         o = torch.empty_like(q)
@@ -102,6 +109,8 @@ class TritonAttnBackend(AttentionBackend):
             md.qo_start,
             md.max_extend_len,
             scaling,
+            sliding_window,
+            logit_cap,
         )
         return o.view(-1, num_heads * head_dim)
 

@@ -6,6 +6,10 @@ normalised partial output and log-sum-exp; stage 2 merges a request's splits. Th
 length depends only on the request's own length (`seq_len / NUM_KV_SPLITS`, at least
 MIN_SPLIT_LEN keys), so short requests use one split, long ones up to NUM_KV_SPLITS, and
 no per-batch host value is needed: the kernels run unchanged under CUDA graphs.
+
+A sliding window (`WINDOW` > 0, a compile-time constant per layer kind) splits only the
+request's last WINDOW keys; a logit soft-cap (`LOGIT_CAP` > 0) caps the scaled scores,
+`LOGIT_CAP * tanh(s / LOGIT_CAP)`, before the softmax (`attend_block`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_KV_SPLITS), MIN_SPLIT_LEN)
-    start = per_split * split_id
+def _split_bounds(seq_len, split_id, NUM_KV_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys [start, end) of split `split_id`: the request's keys, or its last WINDOW ones."""
+    kv_start = tl.maximum(seq_len - WINDOW, 0) if WINDOW > 0 else 0
+    per_split = tl.maximum(tl.cdiv(seq_len - kv_start, NUM_KV_SPLITS), MIN_SPLIT_LEN)
+    start = kv_start + per_split * split_id
     return start, tl.minimum(start + per_split, seq_len)
 
 
@@ -53,10 +59,13 @@ def attend_block(
     e_sum,
     e_max,
     DOT_PRECISION: tl.constexpr,
+    LOGIT_CAP: tl.constexpr = 0.0,
 ):
     """Fold one block of keys (positions `offs_n`, valid where `mask_n`, seen by each query
     row where `visible`) into the online softmax (`acc`, `e_sum`, `e_max`): K and V are
-    read from the pool through the request's page-table row `Row_slots`."""
+    read from the pool through the request's page-table row `Row_slots`. `LOGIT_CAP` > 0
+    soft-caps the scaled scores (tanh as 2 * sigmoid(2x) - 1). A row that sees no key of
+    the block (a sliding window's) keeps its state."""
     slots = tl.load(Row_slots + offs_n, mask=mask_n, other=0)
     k = tl.load(
         K_Buffer + slots[None, :] * stride_kb + kv_head * stride_kh + offs_d[:, None],
@@ -64,6 +73,8 @@ def attend_block(
         other=0.0,
     )
     qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale
+    if LOGIT_CAP > 0:
+        qk = LOGIT_CAP * (2.0 * tl.sigmoid(qk * (2.0 / LOGIT_CAP)) - 1.0)
     qk = tl.where(visible, qk, float("-inf"))
     v = tl.load(
         V_Buffer + slots[:, None] * stride_vb + kv_head * stride_vh + offs_d[None, :],
@@ -71,8 +82,9 @@ def attend_block(
         other=0.0,
     )
     new_max = tl.maximum(tl.max(qk, 1), e_max)
-    rescale = tl.exp(e_max - new_max)
-    p = tl.exp(qk - new_max[:, None])
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: no NaN
+    rescale = tl.exp(e_max - safe_max)
+    p = tl.exp(qk - safe_max[:, None])
     acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
     return acc, e_sum * rescale + tl.sum(p, 1), new_max
 
@@ -110,6 +122,8 @@ def _decode_stage1(
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
 ):
     bid, hblock, split_id = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # Head blocks never straddle two KV heads: each KV head's GROUP query heads get
@@ -125,7 +139,7 @@ def _decode_stage1(
     mask_d = offs_d < HEAD_DIM
     seq_len = tl.load(Seq_lens + bid)
     row = tl.load(Req_pool_indices + bid)
-    start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN)
+    start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN, WINDOW)
     if end > start:
         q = tl.load(
             Q + bid * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -158,6 +172,7 @@ def _decode_stage1(
                 e_sum,
                 e_max,
                 DOT_PRECISION,
+                LOGIT_CAP,
             )
         out = Att_Out + bid * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_d[None, :]
         tl.store(out, acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
@@ -181,6 +196,7 @@ def _decode_stage2(
     BLOCK_D: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     bid, head = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -190,7 +206,7 @@ def _decode_stage2(
     e_sum = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for split_id in range(0, NUM_KV_SPLITS):
-        start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN)
+        start, end = _split_bounds(seq_len, split_id, NUM_KV_SPLITS, MIN_SPLIT_LEN, WINDOW)
         if end > start:
             part = tl.load(
                 Att_Out + bid * stride_ob + head * stride_oh + split_id * stride_os + offs_d, mask=mask_d, other=0.0
@@ -216,9 +232,13 @@ def decode_attention_fwd(
     att_out: torch.Tensor,
     att_lse: torch.Tensor,
     sm_scale: float,
+    sliding_window: int = 0,
+    logit_cap: float = 0.0,
 ) -> None:
     """q, o [bs, H, D]; k/v_buffer [slots, KVH, D]; att_out [>=bs, H, NUM_KV_SPLITS, D] and
-    att_lse [>=bs, H, NUM_KV_SPLITS] float32 scratch. Every seq_len must be >= 1."""
+    att_lse [>=bs, H, NUM_KV_SPLITS] float32 scratch. Every seq_len must be >= 1.
+    `sliding_window` > 0: each query sees its request's last `sliding_window` keys;
+    `logit_cap` > 0: the scores are soft-capped."""
     bs, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
     block_d = max(triton.next_power_of_2(head_dim), 16)
@@ -256,6 +276,8 @@ def decode_attention_fwd(
         NUM_KV_SPLITS=NUM_KV_SPLITS,
         MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         DOT_PRECISION=dot_precision(q.dtype),
+        WINDOW=int(sliding_window),
+        LOGIT_CAP=float(logit_cap),
     )
     _decode_stage2[(bs, num_heads)](
         att_out,
@@ -273,4 +295,5 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         NUM_KV_SPLITS=NUM_KV_SPLITS,
         MIN_SPLIT_LEN=MIN_SPLIT_LEN,
+        WINDOW=int(sliding_window),
     )

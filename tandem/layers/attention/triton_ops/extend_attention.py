@@ -6,6 +6,8 @@ cached prefix (radix-cache hits, earlier chunks of a chunked prefill) without a 
 then the new part causally. The caller has written the new tokens' K and V into the pool
 already, so prefix and new part are read the same way. One program per
 (request, query head, block of BLOCK_M queries); blocks past a request's extend_len exit.
+A sliding window (`WINDOW` > 0) also masks the keys at or before `qpos - WINDOW` and
+starts the key loop at the block's first visible key; `LOGIT_CAP` > 0 soft-caps the scores.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def _extend_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
 ):
     bid, head, mblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(Extend_lens + bid)
@@ -71,11 +75,16 @@ def _extend_fwd(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Keys past this block's last query are masked for all of its rows: stop there.
         end = tl.minimum(seq_len, prefix_len + (mblock + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        # Keys before the block's first query's window are masked for all of its rows.
+        lo = tl.maximum(prefix_len + mblock * BLOCK_M - WINDOW + 1, 0) if WINDOW > 0 else 0
+        for n0 in range(lo, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             visible = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])
-            # Every row sees key 0, so the running max is finite after the first block.
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > qpos[:, None] - WINDOW)
+            # A row that sees no key of a block keeps its state (attend_block); every row
+            # sees its own key, so it ends with a finite sum.
             acc, e_sum, e_max = attend_block(
                 q,
                 K_Buffer,
@@ -96,8 +105,10 @@ def _extend_fwd(
                 e_sum,
                 e_max,
                 DOT_PRECISION,
+                LOGIT_CAP,
             )
         out = O + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
+        e_sum = tl.where(e_sum > 0, e_sum, 1.0)  # padded rows past a window may see no key
         tl.store(out, (acc / e_sum[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -113,6 +124,8 @@ def extend_attention_fwd(
     qo_start: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    sliding_window: int = 0,
+    logit_cap: float = 0.0,
 ) -> None:
     """q, o [num_tokens, H, D] (requests one after another from `qo_start[i]`);
     k/v_buffer [slots, KVH, D]; per request: seq_lens (prefix + new) and extend_lens."""
@@ -146,4 +159,6 @@ def extend_attention_fwd(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
+        WINDOW=int(sliding_window),
+        LOGIT_CAP=float(logit_cap),
     )
