@@ -79,7 +79,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         "ep_size",
         ("--ep-size", "--expert-parallel-size"),
-        "expert parallelism is not built yet (only 1)",
+        "expert parallelism is not built yet (only 1; --tp-size splits every expert's intermediate size instead)",
         _is(1),
         parse=_INT,
     ),

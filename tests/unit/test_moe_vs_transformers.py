@@ -34,13 +34,15 @@ COMMON = dict(
 )
 
 
-def _mixtral():
+def _mixtral(**over):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=4, sliding_window=None, **COMMON))
+    return MixtralForCausalLM(
+        MixtralConfig(intermediate_size=96, num_local_experts=4, sliding_window=None, **{**COMMON, **over})
+    )
 
 
-def _qwen2_moe():
+def _qwen2_moe(**over):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     config = Qwen2MoeConfig(
@@ -49,16 +51,21 @@ def _qwen2_moe():
         shared_expert_intermediate_size=80,
         num_experts=8,
         mlp_only_layers=[1],
-        **COMMON,
+        **{**COMMON, **over},
     )
     return Qwen2MoeForCausalLM(config)
 
 
-def _qwen3_moe():
+def _qwen3_moe(**over):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        intermediate_size=128, moe_intermediate_size=48, num_experts=8, norm_topk_prob=True, head_dim=32, **COMMON
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=8,
+        norm_topk_prob=True,
+        head_dim=32,
+        **{**COMMON, **over},
     )
     return Qwen3MoeForCausalLM(config)
 
@@ -216,3 +223,28 @@ def test_moe_under_quantization_keeps_experts_dense(tiny_moe, caplog):
     assert experts and all(m.gate_up_proj.numel() > 0 for m in experts)
     ids, _ = greedy_steps(runner, PROMPTS, 2)
     assert all(len(g) == 2 for g in ids)
+
+
+@pytest.mark.slow  # two gloo ranks in subprocesses
+def test_moe_on_two_ranks_equals_one(tmp_path):
+    """TP 2: every expert's (and the shared expert's) intermediate dimension split across
+    the ranks, one all-reduce per block; the logits of a prefill and decode steps equal
+    TP 1's, and the ranks agree exactly."""
+    from test_parallel_layers import _generate_on_rank, run_on_ranks
+
+    from tandem.distributed import TpGroup
+
+    dirs = []
+    for family in sorted(FAMILIES):
+        torch.manual_seed(0)
+        model = FAMILIES[family](vocab_size=1536)  # test_parallel_layers' prompts
+        _spread(model)
+        model.save_pretrained(tmp_path / family)
+        dirs.append(str(tmp_path / family))
+    single = _generate_on_rank(TpGroup(), dirs)
+    ranks = run_on_ranks(_generate_on_rank, 2, tmp_path / "ranks", dirs)
+    for d in dirs:
+        for r in ranks:
+            for got, want in zip(r[d]["logits"], single[d]["logits"]):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][d]["logits"], ranks[1][d]["logits"])), d
