@@ -272,3 +272,17 @@ def test_api_key_and_skip_tokenizer_init(tiny_llama_dir):
         resp = good.completions.create(model=MODEL, prompt=[1, 600, 922], max_tokens=3, temperature=0)
         assert resp.usage.prompt_tokens == 3 and resp.usage.completion_tokens == 3
         assert resp.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}),
+    ],
+)
+def test_model_is_optional_and_means_the_served_model(server, route, body):
+    """As in SGLang, a request without `model` is served by the served model, and says so."""
+    r = httpx.post(server.base_url + route, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == MODEL and r.json()["usage"]["completion_tokens"] == 3

@@ -38,7 +38,7 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None  # as in SGLang: optional, the served model
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)

@@ -350,7 +350,7 @@ class ChatServing:
                 e, {**_PROMPT_FIELD, "json_schema": "tools"} if tools.json_schema else _PROMPT_FIELD
             ) from e
         req_id, n = random_id("chatcmpl"), req.n or 1
-        model = req.model  # any name is served, as in SGLang
+        model = req.model or self.server_args.served_model_name  # any name is served, as in SGLang
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = ChatStreamConverter(
             req_id,

@@ -287,7 +287,7 @@ class CompletionServing:
         except ValueError as e:
             raise from_value_error(e, _PROMPT_FIELD) from e
         req_id, n = random_id("cmpl"), req.n or 1
-        model = req.model  # any name is served, as in SGLang
+        model = req.model or self.server_args.served_model_name  # any name is served, as in SGLang
         with_logprobs = req.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         conv = CompletionStreamConverter(
