@@ -13,6 +13,8 @@ from torch import nn
 
 # architecture name (config.json's `architectures`) -> module under tandem.models
 ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",

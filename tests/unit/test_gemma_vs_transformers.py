@@ -1,0 +1,154 @@
+"""Gemma 2 and Gemma 3 text (tandem/models/gemma.py) against transformers on tiny random
+models made with transformers' own config and model classes, their features switched on:
+a sliding window (4 keys) shorter than the prompts on the sliding layers, attention and
+final logit soft-caps, `query_pre_attn_scalar` other than head_dim, Gemma's (1 + w)
+RMSNorm with non-zero weights, GELU-tanh MLP, tied embeddings; Gemma 3: q/k norms, a
+local RoPE base other than the global one, and its sliding/global layer pattern.
+
+fp32 greedy tokens equal transformers' `generate`, every step's logits within 1e-4 of
+their largest: prefilled whole, in chunks (each chunk extends over the earlier ones' KV,
+masked by the window), and through the scheduler with a radix-cache hit (the second
+request's prefix KV reused, longer than the window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_steps import greedy_steps, hf_greedy, make_runner
+from scheduler_harness import SchedulerHarness
+from transformers import AutoModelForCausalLM
+
+PROMPTS = [[2, 5, 9, 13, 7, 7, 3, 11, 4, 30], [2, 8], list(range(1, 30))]
+STEPS = 6
+WINDOW = 4
+
+
+def _spread_weights(model):
+    """Random init leaves Gemma's norm weights at 0 (scale 1), the attention scores too small
+    to reach the soft-cap and the logits near-uniform (each of window, attention and final
+    soft-cap then moves the last logits by about half their largest)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8)
+        model.model.embed_tokens.weight.mul_(10)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        tie_word_embeddings=True,
+    )
+    model = Gemma2ForCausalLM(config)
+    _spread_weights(model)
+    path = tmp_path_factory.mktemp("models") / "tiny-gemma2"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(1)
+    config = Gemma3TextConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=8.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
+    )
+    model = Gemma3ForCausalLM(config)
+    _spread_weights(model)
+    path = tmp_path_factory.mktemp("models") / "tiny-gemma3"
+    model.save_pretrained(path)
+    return path
+
+
+def _reference(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval().generation_config.eos_token_id = None
+    return [hf_greedy(model, p, STEPS) for p in PROMPTS]
+
+
+def _check(model_dir, chunk=None, **runner_args):
+    runner = make_runner(model_dir, dtype="float32", **runner_args)
+    assert type(runner.model).__module__ == "tandem.models.gemma"
+    ids, logits = greedy_steps(runner, PROMPTS, STEPS, chunk=chunk)
+    for i, (ref_ids, ref_logits) in enumerate(_reference(model_dir)):
+        assert ids[i] == ref_ids, f"prompt {i}"
+        for step, ref in enumerate(ref_logits):
+            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_greedy_and_logits_match_transformers(family, request):
+    _check(request.getfixturevalue(f"tiny_{family}_dir"))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_chunked_prefill_matches_transformers(family, request):
+    _check(request.getfixturevalue(f"tiny_{family}_dir"), chunk=3)
+
+
+def test_gemma_pytorch_decode_path_matches_transformers(tiny_gemma2_dir, monkeypatch):
+    """Without the C++ decode kernel (torch_native's PyTorch decode, explicit scores)."""
+    monkeypatch.setenv("TANDEM_DISABLE_CPU_KERNELS", "1")
+    from tandem.kernels import cpu as cpu_kernels
+
+    cpu_kernels.load.cache_clear()
+    try:
+        _check(tiny_gemma2_dir)
+    finally:
+        monkeypatch.delenv("TANDEM_DISABLE_CPU_KERNELS")
+        cpu_kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_radix_hit_matches_transformers(family, request):
+    """Through the scheduler: a prompt, then one sharing its first 20 tokens (its prefix KV
+    from the radix cache, five windows long), greedy; outputs as transformers'."""
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    base = list(range(1, 30))
+    prompts = [base, base[:20] + [40, 41, 42, 43, 44]]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval().generation_config.eos_token_id = None
+    want = [hf_greedy(model, p, STEPS)[0] for p in prompts]
+    h = SchedulerHarness(model_dir, dtype="float32", device="cpu", random_seed=0, disable_overlap_schedule=True)
+    try:
+        for i, p in enumerate(prompts):
+            h.submit(str(i), input_ids=p, max_new_tokens=STEPS)
+            h.run_until_idle()
+        assert h.collected.cached_tokens["1"] >= 16  # the radix hit
+        assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
+    finally:
+        h.close()
