@@ -36,12 +36,11 @@ def _spread_weights(model):
         model.model.embed_tokens.weight.mul_(10)
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma2_dir(tmp_path_factory):
+def _gemma2(**over):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    config = Gemma2Config(
+    config = dict(
         vocab_size=384,
         hidden_size=64,
         intermediate_size=128,
@@ -56,19 +55,16 @@ def tiny_gemma2_dir(tmp_path_factory):
         final_logit_softcapping=5.0,
         tie_word_embeddings=True,
     )
-    model = Gemma2ForCausalLM(config)
+    model = Gemma2ForCausalLM(Gemma2Config(**{**config, **over}))
     _spread_weights(model)
-    path = tmp_path_factory.mktemp("models") / "tiny-gemma2"
-    model.save_pretrained(path)
-    return path
+    return model
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory):
+def _gemma3(**over):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(1)
-    config = Gemma3TextConfig(
+    config = dict(
         vocab_size=384,
         hidden_size=64,
         intermediate_size=128,
@@ -87,10 +83,25 @@ def tiny_gemma3_dir(tmp_path_factory):
         },
         tie_word_embeddings=True,
     )
-    model = Gemma3ForCausalLM(config)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**config, **over}))
     _spread_weights(model)
+    return model
+
+
+FAMILIES = {"gemma2": _gemma2, "gemma3": _gemma3}
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny-gemma2"
+    _gemma2().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "tiny-gemma3"
-    model.save_pretrained(path)
+    _gemma3().save_pretrained(path)
     return path
 
 
@@ -152,3 +163,24 @@ def test_gemma_radix_hit_matches_transformers(family, request):
         assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
     finally:
         h.close()
+
+
+@pytest.mark.slow  # two gloo ranks in subprocesses
+def test_gemma_on_two_ranks_equals_one(tmp_path):
+    """TP 2 (Gemma 2: two KV heads split; Gemma 3: one, replicated): the logits of a prefill
+    longer than the window and of decode steps equal TP 1's, and the ranks agree exactly."""
+    from test_parallel_layers import _generate_on_rank, run_on_ranks
+
+    from tandem.distributed import TpGroup
+
+    dirs = []
+    for family, build in FAMILIES.items():
+        build(vocab_size=1536).save_pretrained(tmp_path / family)  # test_parallel_layers' prompts
+        dirs.append(str(tmp_path / family))
+    single = _generate_on_rank(TpGroup(), dirs)
+    ranks = run_on_ranks(_generate_on_rank, 2, tmp_path / "ranks", dirs)
+    for d in dirs:
+        for r in ranks:
+            for got, want in zip(r[d]["logits"], single[d]["logits"]):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][d]["logits"], ranks[1][d]["logits"])), d
