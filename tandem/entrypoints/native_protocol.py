@@ -119,8 +119,15 @@ class GenerateReqInput:
         if not isinstance(value, list) or not all(
             isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row) for row in rows
         ):
-            raise ValueError("token_ids_logprob: must be a list of token ids, or one such list per prompt")
-        if nested and (not self.is_batch or len(value) != n):
+            raise ValueError(
+                "token_ids_logprob: must be a flat list of integers (token ids), or one such list per prompt"
+            )
+        if nested and not self.is_batch:  # SGLang's words
+            raise ValueError(
+                "token_ids_logprob: must be a flat list of integers for a single prompt "
+                "(a list of lists gives one list per prompt of a batch)"
+            )
+        if nested and len(value) != n:
             raise ValueError(f"token_ids_logprob: a list of lists must have one list per prompt ({n})")
 
     @property

@@ -208,7 +208,8 @@ def test_tokenize_messages_gives_the_chat_prompt(server, client, tokenizer):
         # A feature Tandem lacks is refused by name, as on /generate, never silently ignored.
         ({"extra_body": {"stop_regex": "and|or"}}, "stop_regex", "stop_regex"),
         # SGLang's wording, which clients and SGLang's tests match on.
-        ({"max_tokens": 1000}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
+        ({"max_tokens": 1000}, "max_tokens", "max_completion_tokens is too large: 1000"),
+        ({"max_tokens": CONTEXT - 1}, "max_tokens", "Requested token count exceeds the model's maximum context length"),
         (
             {"messages": [{"role": "user", "content": "sea " * 300}]},
             "messages",

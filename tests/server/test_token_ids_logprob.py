@@ -108,9 +108,9 @@ def test_token_ids_logprob_absent_or_refused(client):
     assert "output_token_ids_logprobs" not in meta and "input_token_ids_logprobs" not in meta
     vocab = _vocab(client)
     for value, message in (
-        (["a"], "token_ids_logprob: must be a list of token ids"),
+        (["a"], "token_ids_logprob: must be a flat list of integers (token ids), or one such list per prompt"),
         ([vocab], f"token_ids_logprob: contains out-of-vocabulary token id {vocab}"),
-        ([[1], [2]], "token_ids_logprob: a list of lists must have one list per prompt"),
+        ([[1], [2]], "token_ids_logprob: must be a flat list of integers for a single prompt"),
     ):
         r = client.post("/generate", json={"text": "Hi", "return_logprob": True, "token_ids_logprob": value})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text

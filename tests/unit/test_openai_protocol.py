@@ -109,13 +109,20 @@ def test_max_tokens_budget():
     assert resolve_max_tokens(None, 10, 128, None, "max_tokens", "messages") == 118
     assert resolve_max_tokens(None, 120, 128, 16, "max_tokens", "prompt") == 8
     assert resolve_max_tokens(5, 10, 128, 16, "max_tokens", "prompt") == 5
+    # SGLang's wording, which its clients and tests match on: more than the context alone ...
     with pytest.raises(OpenAIError) as e:
         resolve_max_tokens(200, 10, 128, None, "max_completion_tokens", "messages")
     assert e.value.param == "max_completion_tokens" and e.value.status == 400
-    # SGLang's wording, which its clients and tests match on.
+    assert e.value.message == (
+        "max_completion_tokens is too large: 200. This model supports at most 128 completion tokens."
+    )
+    # ... and more than fits beside the prompt.
+    with pytest.raises(OpenAIError) as e:
+        resolve_max_tokens(120, 10, 128, None, "max_tokens", "messages")
+    assert e.value.param == "max_tokens" and e.value.status == 400
     assert e.value.message.startswith(
         "Requested token count exceeds the model's maximum context length of 128 "
-        "tokens. You requested a total of 210 tokens: 10 tokens"
+        "tokens. You requested a total of 130 tokens: 10 tokens"
     )
     with pytest.raises(OpenAIError) as e:
         resolve_max_tokens(None, 128, 128, None, "max_tokens", "messages")

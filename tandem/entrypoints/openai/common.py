@@ -115,6 +115,13 @@ def resolve_max_tokens(
         )
     if requested is None:
         return room if default is None else min(default, room)
+    if requested > context_len:  # SGLang's words (its clients and tests match them)
+        raise OpenAIError(
+            f"max_completion_tokens is too large: {requested}. "
+            f"This model supports at most {context_len} completion tokens.",
+            400,
+            param=param,
+        )
     if requested > room:
         raise OpenAIError(
             f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
