@@ -2,7 +2,8 @@
 against transformers on tiny random models made with transformers' own config and model
 classes (several experts, top-k 2; Qwen2-MoE with its shared expert and one dense layer
 through `mlp_only_layers`): fp32 greedy tokens equal and every step's logits within
-1e-4 of their largest. The fused expert layer (tandem/layers/moe.py) against a naive
+1e-4 of their largest, prefilled whole, in chunks, and through the scheduler with a
+radix hit; TP 2 equal to TP 1. The fused expert layer (tandem/layers/moe.py) against a naive
 per-token loop in fp32 and bf16; `--ep-size` other than 1 refused at start."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import argparse
 
 import pytest
 import torch
-from runner_steps import greedy_steps, make_runner
+from runner_steps import greedy_steps, hf_greedy, make_runner
 from safetensors.torch import load_file
+from scheduler_harness import SchedulerHarness
 from transformers import AutoModelForCausalLM
 
 from tandem.layers.moe import FusedMoE, fused_experts, select_experts
@@ -89,6 +91,7 @@ def tiny_moe(request, tmp_path_factory):
     _spread(model)
     path = tmp_path_factory.mktemp("models") / f"tiny-{request.param}"
     model.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # the reference generates every step
     return request.param, path, model
 
 
@@ -113,6 +116,37 @@ def test_moe_greedy_and_logits_match_transformers(tiny_moe):
         for step, ref in enumerate(out.logits):
             ref = ref[0].float()
             torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_moe_chunked_prefill_matches_transformers(tiny_moe):
+    """Prompts prefilled in chunks of 4 tokens (each chunk routed on its own), greedy."""
+    family, path, hf = tiny_moe
+    ids, logits = greedy_steps(make_runner(path, dtype="float32"), PROMPTS, STEPS, chunk=4)
+    for i, prompt in enumerate(PROMPTS):
+        want_ids, want_logits = hf_greedy(hf, prompt, STEPS)
+        assert ids[i] == want_ids, f"prompt {i}"
+        for step, ref in enumerate(want_logits):
+            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_moe_radix_hit_matches_transformers(tiny_moe):
+    """Through the scheduler: a prompt, then one sharing its first 20 tokens (their KV from
+    the radix cache), greedy; outputs as transformers'."""
+    family, path, hf = tiny_moe
+    base = list(range(1, 30))
+    prompts = [base, base[:20] + [40, 41, 42, 43, 44]]
+    want = [hf_greedy(hf, p, STEPS)[0] for p in prompts]
+    h = SchedulerHarness(
+        path, dtype="float32", device="cpu", random_seed=0, disable_overlap_schedule=True, skip_tokenizer_init=True
+    )
+    try:
+        for i, p in enumerate(prompts):
+            h.submit(str(i), input_ids=p, max_new_tokens=STEPS)
+            h.run_until_idle()
+        assert h.collected.cached_tokens["1"] >= 16  # the radix hit
+        assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
+    finally:
+        h.close()
 
 
 def test_moe_loads_transformers_stacked_expert_names(tiny_moe):
