@@ -17,8 +17,11 @@ weight loader takes those (shard id `(N, "gate"|"up"|"down")`) or the stacked 3-
 intermediate dimension (gate/up rows, down columns): the layer returns partial sums and
 its caller all-reduces once (`reduce=True` does it here).
 
-The expert weights stay dense under `--quantization q8_0|q4_0|q4_1` (no quantized kernel
-for stacked experts yet; the model logs it).
+After loading, `process_weights_after_loading(backend)` gives each expert's two matmuls the
+dense linears' kernel (`make_linear_kernel`: oneDNN's packed layout on CPU with `auto`,
+1.1-2.5x faster than `torch.mm` on the stacked slices, docs/perf-log/moe.md). The expert
+weights stay unquantized under `--quantization q8_0|q4_0|q4_1` (no quantized kernel for
+experts yet; the model logs it).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.linear import divide
+from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 from tandem.layers.weight_shard import read_shard
 
 
@@ -53,10 +57,13 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act: nn.Module | None = None,
+    kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(act(gate_up_e(x[t]))), e = topk_ids[t, j], for
     every token t of `x` [T, H]; `w13` [E, 2I, H], `w2` [E, H, I]. The result is in x's
-    dtype (each weighted expert output rounded to it before the sum, as transformers)."""
+    dtype (each weighted expert output rounded to it before the sum, as transformers).
+    `kernels`: each expert's gate/up and down matmul (`FusedMoE.process_weights_after_loading`),
+    used instead of `torch.mm` on the slices of `w13` / `w2`."""
     act = act or SiluAndMul()
     tokens, k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -76,8 +83,12 @@ def fused_experts(
         if n == 0:
             continue
         end = start + n
-        hidden = act.forward(torch.mm(rows[start:end], w13[expert].t()))
-        torch.mm(hidden, w2[expert].t(), out=expert_out[start:end])
+        if kernels is not None:
+            hidden = act.forward(kernels[0][expert](rows[start:end]))
+            expert_out[start:end] = kernels[1][expert](hidden)
+        else:
+            hidden = act.forward(torch.mm(rows[start:end], w13[expert].t()))
+            torch.mm(hidden, w2[expert].t(), out=expert_out[start:end])
         start = end
     weighted = (expert_out * topk_weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
     return out.index_add_(0, token_of, weighted)
@@ -117,6 +128,19 @@ class FusedMoE(nn.Module):
         for p in (self.gate_up_proj, self.down_proj):
             p.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
+        self.kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None
+
+    def process_weights_after_loading(self, backend: str) -> None:
+        """Each expert's two matmuls on `backend`'s kernel (`make_linear_kernel`: oneDNN's
+        packed layout on CPU with `auto`), which then holds the only copy of the weights;
+        left on `torch.mm` over the stacked tensors where the backend packs none."""
+        self.kernels = None
+        w13 = [make_linear_kernel(self.gate_up_proj.data[e], None, backend) for e in range(self.num_experts)]
+        w2 = [make_linear_kernel(self.down_proj.data[e], None, backend) for e in range(self.num_experts)]
+        if all(k is not None for k in w13 + w2):
+            self.kernels = (w13, w2)
+            for p in (self.gate_up_proj, self.down_proj):
+                p.data = torch.empty(p.shape[0], 0, 0, dtype=p.dtype, device=p.device)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int, str] | None = None) -> None:
         """Copy this rank's slice of `loaded`: one expert's projection for shard id
@@ -139,7 +163,7 @@ class FusedMoE(nn.Module):
             param.data[expert, offset : offset + i].copy_(read_shard(loaded, 0, start, i))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act_fn)
+        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act_fn, self.kernels)
         if self.reduce and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

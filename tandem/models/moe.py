@@ -156,6 +156,9 @@ class MoECausalLM(CausalLM):
 
     def process_weights_after_loading(self, linear_backend: str, quantization: str | None = None) -> None:
         super().process_weights_after_loading(linear_backend, quantization)
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                module.process_weights_after_loading(linear_backend)
         if quantization in QUANTIZE_AT_LOAD:
             sparse = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
             logger.info(

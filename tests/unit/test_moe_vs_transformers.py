@@ -254,7 +254,7 @@ def test_moe_under_quantization_keeps_experts_dense(tiny_moe, caplog):
         runner = make_runner(path, dtype="float32", quantization="q8_0")
     assert any("MoE layers and their routers stay dense" in r.getMessage() for r in caplog.records)
     experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    assert experts and all(m.gate_up_proj.numel() > 0 for m in experts)
+    assert experts and all(m.kernels is not None or m.gate_up_proj.numel() > 0 for m in experts)
     ids, _ = greedy_steps(runner, PROMPTS, 2)
     assert all(len(g) == 2 for g in ids)
 
