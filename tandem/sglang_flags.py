@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.function_call.function_call_parser import ToolCallParserEnum
+from tandem.reasoning_parser import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,12 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     ),
     CompatFlag("enable_dp_attention", ("--enable-dp-attention",), "DP attention is not built yet", _OFF, parse=_FLAG),
     CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
-    CompatFlag("reasoning_parser", ("--reasoning-parser",), "reasoning parsers are not built yet", _OFF),
+    CompatFlag(
+        "reasoning_parser",
+        ("--reasoning-parser",),
+        f"the reasoning parsers are {', '.join(REASONING_PARSERS)}",
+        _is(None, *REASONING_PARSERS),
+    ),
     CompatFlag(
         "enable_custom_logit_processor",
         ("--enable-custom-logit-processor",),

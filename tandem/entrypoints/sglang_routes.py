@@ -49,7 +49,7 @@ def model_info(server_args, hf_config) -> dict[str, Any]:
         "preferred_sampling_params": None,
         "weight_version": "default",  # the route reports the scheduler's current one
         "load_format": server_args.load_format,
-        "reasoning_parser": None,
+        "reasoning_parser": server_args.reasoning_parser,
         "tool_call_parser": server_args.tool_call_parser,
         "disaggregation_mode": "null",
         "has_image_understanding": False,

@@ -290,7 +290,10 @@ def test_chat_response_shape_with_logprobs():
     assert resp["object"] == "chat.completion" and resp["model"] == MODEL
     assert resp["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
     c0, c1 = resp["choices"]
-    assert c0["message"] == {"role": "assistant", "content": "Hi!"} and c0["finish_reason"] == "stop"
+    assert (
+        c0["message"] == {"role": "assistant", "content": "Hi!", "reasoning_content": None}
+        and c0["finish_reason"] == "stop"
+    )
     assert c1["index"] == 1 and c1["finish_reason"] == "length"
     assert (c0["matched_stop"], c1["matched_stop"]) == (2, None)  # SGLang's: the EOS id; none on length
     first = c0["logprobs"]["content"][0]

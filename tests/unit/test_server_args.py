@@ -28,7 +28,7 @@ SET_VALUES = {
     "lora_paths": ["a=/x", "b=/y"],
     "speculative_algorithm": ["EAGLE"],
     "speculative_draft_model_path": ["/draft"],
-    "reasoning_parser": ["qwen3"],
+    "reasoning_parser": ["glm45"],
     "tool_call_parser": ["mistral"],
     "revision": ["main"],
     "tokenizer_mode": ["slow"],

@@ -244,7 +244,7 @@ def test_response_with_tool_calls_has_openai_shape():
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"location": "Paris"}, {"timezone": "CET"}]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
     assert len({c["id"] for c in calls}) == 2
-    assert second["message"] == {"role": "assistant", "content": "No tools needed."}
+    assert second["message"] == {"role": "assistant", "content": "No tools needed.", "reasoning_content": None}
     assert second["finish_reason"] == "stop" and second["matched_stop"] == 2
 
 

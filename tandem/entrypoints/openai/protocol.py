@@ -178,6 +178,12 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    # Passed to the chat template as keyword arguments (`enable_thinking`, ...), as SGLang does.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with `--reasoning-parser`, the think block goes to `reasoning_content`
+    # (false: it stays in `content`); streamed as it comes or in one piece at its end.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def grammar_fields(self) -> dict[str, tuple[str, str]]:
         fields = super().grammar_fields()
@@ -287,16 +293,18 @@ class DeltaToolCall(ToolCall):
 
 
 class ChatMessageOut(BaseModel):
-    """The answer's message; `tool_calls` only when the model called tools (then
-    `content` is null unless there was text besides the calls)."""
+    """The answer's message; `reasoning_content` always (null without a think block, or
+    without `--reasoning-parser`), as SGLang sends it; `tool_calls` only when the model
+    called tools (then `content` is null unless there was text besides the calls)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        out: dict[str, Any] = {"role": self.role, "content": self.content, "reasoning_content": self.reasoning_content}
         if self.tool_calls is not None:
             out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return out
@@ -323,7 +331,7 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     """A streamed message delta, as SGLang sends it: `role` and `content` only when set,
-    `reasoning_content` always (null here: no reasoning parser), so that clients reading
+    `reasoning_content` always (null unless this delta carries reasoning), so that clients reading
     `delta.reasoning_content` find it; `tool_calls` only when set."""
 
     role: str | None = None

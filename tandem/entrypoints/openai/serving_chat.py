@@ -6,6 +6,8 @@ The pure pieces (`render_chat_prompt`, `build_chat_generate_input`,
 `build_chat_response`, `ChatStreamConverter`) are unit-tested without a server. Tools:
 tool_calls.py decides what a request's `tools` and `tool_choice` do; a choice's output
 then goes through its detector (tandem/function_call), whole or piece by piece.
+Reasoning (`--reasoning-parser`, tandem/reasoning_parser.py) is split off first: the
+think block goes to `reasoning_content`, and only the rest reaches the tool detector.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from tandem.entrypoints.openai.tool_calls import ToolCallSetup, delta_tool_call_
 from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.streams import merge_streams
 from tandem.function_call.base_format_detector import BaseFormatDetector
+from tandem.reasoning_parser import ReasoningResult, ReasoningStream, parse_reasoning, starts_in_reasoning
+from tandem.sampling.sampling_params import GRAMMAR_FIELDS
 from tandem.tokenizer.text_encoder import TextEncoder
 
 logger = logging.getLogger(__name__)
@@ -97,10 +101,15 @@ def _arguments_as_objects(message: dict[str, Any]) -> None:
 
 
 def render_chat_prompt(
-    tokenizer, messages: list[ChatMessage], chat_template: str | None = None, tools: list[dict[str, Any]] | None = None
+    tokenizer,
+    messages: list[ChatMessage],
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text: the messages through the model's (or `--chat-template`'s) template,
-    which gets `tools` as `apply_chat_template(tools=...)` passes them."""
+    which gets `tools` as `apply_chat_template(tools=...)` passes them, and the request's
+    `chat_template_kwargs` as further variables (`enable_thinking`)."""
     if tokenizer is None:
         raise OpenAIError(
             "messages: this server runs without a tokenizer (--skip-tokenizer-init); "
@@ -109,7 +118,15 @@ def render_chat_prompt(
             param="messages",
         )
     dicts = [message_to_dict(i, m) for i, m in enumerate(messages)]
-    kwargs: dict[str, Any] = {"chat_template": chat_template} if chat_template else {}
+    kwargs: dict[str, Any] = {}
+    for name, value in (template_kwargs or {}).items():
+        if name in ("conversation", "tokenize", "add_generation_prompt", "chat_template", "tools"):
+            raise OpenAIError(
+                f"chat_template_kwargs.{name}: set by the server, not by the request", 400, param="chat_template_kwargs"
+            )
+        kwargs[name] = value
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     if tools:
         kwargs["tools"] = tools
     try:
@@ -183,13 +200,23 @@ def tool_calls_finish(meta: dict[str, Any], called: bool) -> tuple[str | None, i
     return reason, matched_stop(meta)
 
 
-def _message(text: str, detector: BaseFormatDetector | None) -> ChatMessageOut:
+def _message(text: str, detector: BaseFormatDetector | None, in_reasoning: bool | None = None) -> ChatMessageOut:
+    """`in_reasoning`: None leaves the think block in the content; else the output starts
+    inside the block (tandem/reasoning_parser.py)."""
+    reasoning = None
+    if in_reasoning is not None:
+        split = parse_reasoning(text, in_reasoning)
+        text, reasoning = split.content, split.reasoning or None
     if detector is None:
-        return ChatMessageOut(content=text)
+        return ChatMessageOut(content=text, reasoning_content=reasoning)
     parsed = detector.detect_and_parse(text)
     if not parsed.calls:
-        return ChatMessageOut(content=parsed.normal_text)
-    return ChatMessageOut(content=parsed.normal_text or None, tool_calls=[tool_call_of(c) for c in parsed.calls])
+        return ChatMessageOut(content=parsed.normal_text, reasoning_content=reasoning)
+    return ChatMessageOut(
+        content=parsed.normal_text or None,
+        reasoning_content=reasoning,
+        tool_calls=[tool_call_of(c) for c in parsed.calls],
+    )
 
 
 def build_chat_response(
@@ -201,13 +228,15 @@ def build_chat_response(
     tokenizer=None,
     created: int | None = None,
     make_detector: Callable[[], BaseFormatDetector] | None = None,
+    in_reasoning: bool | None = None,
 ) -> ChatCompletionResponse:
     """The non-streamed response for the `n` final outputs of one prompt; with
-    `make_detector`, each output's tool calls become `message.tool_calls`."""
+    `make_detector`, each output's tool calls become `message.tool_calls`; with
+    `in_reasoning` (not None), its think block becomes `message.reasoning_content`."""
     choices = []
     for i, out in enumerate(outputs):
         meta = out.get("meta_info") or {}
-        message = _message(out.get("text") or "", make_detector() if make_detector else None)
+        message = _message(out.get("text") or "", make_detector() if make_detector else None, in_reasoning)
         reason, matched = tool_calls_finish(meta, bool(message.tool_calls))
         choices.append(
             ChatChoice(
@@ -230,7 +259,9 @@ class ChatStreamConverter:
     Per choice: a role chunk first, content chunks, exactly one chunk with a
     finish_reason; then, with `include_usage`, a usage chunk with no choices. With
     `make_detector`, each choice's text goes through its own detector: settled text goes
-    out as content, each call as one `tool_calls` delta once it is whole.
+    out as content, each call as one `tool_calls` delta once it is whole. With
+    `in_reasoning` (not None) the think block is split off first and goes out as
+    `reasoning_content` deltas (in one piece at the block's end unless `stream_reasoning`).
     """
 
     def __init__(
@@ -244,6 +275,8 @@ class ChatStreamConverter:
         tokenizer=None,
         created: int | None = None,
         make_detector: Callable[[], BaseFormatDetector] | None = None,
+        in_reasoning: bool | None = None,
+        stream_reasoning: bool = True,
     ):
         self.req_id, self.model, self.n = req_id, model, n
         self.num_choices = num_choices
@@ -253,6 +286,11 @@ class ChatStreamConverter:
         self.finished = [False] * num_choices
         self.detectors = [make_detector() for _ in range(num_choices)] if make_detector else None
         self.called = [False] * num_choices
+        self.reasoners = (
+            [ReasoningStream(in_reasoning, stream_reasoning) for _ in range(num_choices)]
+            if in_reasoning is not None
+            else None
+        )
 
     def _chunk(self, choice: ChatStreamChoice | None, usage=None) -> dict[str, Any]:
         chunk = ChatCompletionChunk(
@@ -278,6 +316,20 @@ class ChatStreamConverter:
         logprobs = chat_logprobs(meta, self.tokenizer) if self.with_logprobs else None
         done = finish_reason(meta) is not None
         calls = []
+        if self.reasoners is not None:
+            split: ReasoningResult = self.reasoners[index].feed(text)
+            if done:
+                split = split.merged(self.reasoners[index].finish())
+            text = split.content
+            if split.reasoning:
+                chunks.append(
+                    self._chunk(
+                        ChatStreamChoice(
+                            index=index, delta=DeltaMessage(reasoning_content=split.reasoning), logprobs=logprobs
+                        )
+                    )
+                )
+                logprobs = None  # sent with the reasoning
         if self.detectors is not None:
             parsed = self.detectors[index].parse_streaming_increment(text)
             if done:
@@ -324,24 +376,49 @@ class ChatServing:
         """The prompt's ids (the messages and tools through the chat template, tokenized;
         /tokenize's `messages` too) and the request's tool setup; refused when longer
         than `max_tokens`."""
+        ids, tools, _ = await self._prompt(req, max_tokens)
+        return ids, tools
+
+    async def _prompt(
+        self, req: ChatCompletionRequest, max_tokens: int | None = None
+    ) -> tuple[list[int], ToolCallSetup, str]:
         tools = resolve_tools(req, self.server_args.tool_call_parser)
-        text = render_chat_prompt(self.tm.tokenizer, req.messages, self.chat_template, tools.template_tools)
-        return await encode_chat_prompt(self.tm.text_encoder, text, max_tokens), tools
+        text = render_chat_prompt(
+            self.tm.tokenizer, req.messages, self.chat_template, tools.template_tools, req.chat_template_kwargs
+        )
+        return await encode_chat_prompt(self.tm.text_encoder, text, max_tokens), tools, text
+
+    def in_reasoning(self, req: ChatCompletionRequest, obj: GenerateReqInput, prompt: str) -> bool | None:
+        """None: the output's think block stays in the content (no `--reasoning-parser`, or
+        `separate_reasoning` false); else whether the output starts inside the block. An
+        output constrained by a grammar from its first token (`regex`, `response_format`,
+        a required tool call, ...) never starts inside one: the grammar decides what it is."""
+        parser = self.server_args.reasoning_parser
+        if parser is None or not req.separate_reasoning:
+            return None
+        params = obj.sampling_params
+        if any(params.get(name) for name in GRAMMAR_FIELDS):
+            return False
+        return starts_in_reasoning(parser, prompt)
 
     async def prepare(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, ToolCallSetup]:
+        obj, tools, _ = await self._prepare(req)
+        return obj, tools
+
+    async def _prepare(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, ToolCallSetup, bool | None]:
         """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
         reject_unsupported(req)
         check_logprob_args(req)
-        input_ids, tools = await self.prompt_ids(req, self.tm.context_len - 1)
+        input_ids, tools, prompt = await self._prompt(req, self.tm.context_len - 1)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = resolve_max_tokens(requested, len(input_ids), self.tm.context_len, None, param, "messages")
         obj = build_chat_generate_input(req, input_ids, max_new)
         tools.apply(obj)
-        return obj, tools
+        return obj, tools, self.in_reasoning(req, obj, prompt)
 
     async def handle(self, request: Request, req: ChatCompletionRequest) -> Response:
-        obj, tools = await self.prepare(req)
+        obj, tools, in_reasoning = await self._prepare(req)
         try:
             streams = await open_streams(self.tm, obj)
         except ValueError as e:
@@ -361,6 +438,8 @@ class ChatServing:
             include_usage,
             self.tm.tokenizer,
             make_detector=tools.make_detector,
+            in_reasoning=in_reasoning,
+            stream_reasoning=req.stream_reasoning,
         )
         return await respond(
             request,
@@ -369,7 +448,14 @@ class ChatServing:
             lambda s: _stream_body(conv, s),
             lambda outputs: json_response(
                 build_chat_response(
-                    req_id, model, outputs, n, bool(req.logprobs), self.tm.tokenizer, make_detector=tools.make_detector
+                    req_id,
+                    model,
+                    outputs,
+                    n,
+                    bool(req.logprobs),
+                    self.tm.tokenizer,
+                    make_detector=tools.make_detector,
+                    in_reasoning=in_reasoning,
                 ).model_dump()
             ),
         )
