@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from scheduler_harness import SchedulerHarness
 from transformers import AutoModelForCausalLM
 
+from tandem.layers.linear_kernel import can_pack
 from tandem.layers.moe import FusedMoE, fused_experts, select_experts
 from tandem.models.registry import resolve_model_class
 from tandem.server_args import ServerArgs
@@ -282,3 +283,26 @@ def test_moe_on_two_ranks_equals_one(tmp_path):
             for got, want in zip(r[d]["logits"], single[d]["logits"]):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert all(torch.equal(a, b) for a, b in zip(ranks[0][d]["logits"], ranks[1][d]["logits"])), d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_expert_kernels_equal_the_stacked_matmuls(dtype):
+    """`FusedMoE.process_weights_after_loading("auto")` (oneDNN-packed per expert on CPU):
+    the same outputs as `torch.mm` on the stacked tensors, to rounding."""
+    torch.manual_seed(3)
+    experts, hidden, inter = 8, 64, 48
+    plain, packed = (FusedMoE(experts, hidden, inter) for _ in range(2))
+    with torch.no_grad():
+        plain.gate_up_proj.normal_(0, 0.1)
+        plain.down_proj.normal_(0, 0.1)
+        for p, q in ((plain.gate_up_proj, packed.gate_up_proj), (plain.down_proj, packed.down_proj)):
+            p.data, q.data = p.data.to(dtype), p.data.to(dtype).clone()
+    packed.process_weights_after_loading("auto")
+    assert (packed.kernels is not None) == can_pack(plain.gate_up_proj.data[0])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for tokens in (1, 2, 5, 40):
+        x = torch.randn(tokens, hidden).to(dtype)
+        weights, ids = select_experts(torch.randn(tokens, experts), 2, True)
+        with torch.inference_mode():
+            got, want = packed.forward(x, weights, ids), plain.forward(x, weights, ids)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
