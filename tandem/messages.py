@@ -268,6 +268,7 @@ class DetokenizeParams:
     no_stop_trim: bool
     stream: bool
     prompt_tail: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -58,6 +58,16 @@ prefix of the final text, so while the request runs the candidate text is cut at
 * the start of the longest suffix of the candidate that is a proper prefix of some stop
   string (stop "\\n\\nUser", text ending in "\\n\\nUs": "\\n\\nUs" is held back).
 
+With stop regexes (`params.stop_regex`), the candidate is also cut at the start of the
+first full or partial match of any pattern that begins in the not-yet-emitted text: the
+`regex` package's partial matching (`partial=True`) reports where the text could still
+grow into a match (`and|or`, text ending in " a": the "a" is held back; `[.!?]\\s*$`,
+text ending in ".": the "." is held back until more text shows the match gone). The
+window is whatever the pattern itself bounds: a bounded pattern holds back at most its
+longest match, an unbounded one (`a.*b`) holds back from the "a" until the "b" comes,
+the text shows no match can follow, or the request finishes (the finish flushes what is
+not cut). A pattern the `regex` package cannot compile holds back all pending text.
+
 Held-back text is re-examined every step, so it is released as soon as the following
 text shows it cannot start a stop string. An occurrence can never start inside text
 already emitted (it would have been held back), which is why the search starts at the
@@ -73,6 +83,9 @@ Finish
   can lie in it, otherwise (a stop string the detokenizer was not told about) an
   occurrence entirely inside emitted text is ignored and one that overlaps its end
   cuts at the end of the emitted text.
+* `{"type": "stop", "matched": <pattern>}` with the pattern in `params.stop_regex` (the
+  scheduler names the pattern, as SGLang) and not `no_stop_trim`: the full text is cut
+  at the start of the pattern's first match (`re.search`), never inside emitted text.
 * `{"type": "stop", "matched": <int>}` and not `no_stop_trim`: as in SGLang's
   `trim_matched_stop`, the stop token id is removed from the ids before decoding when
   it is the last id of the final step. With `skip_special_tokens` and a special stop
@@ -104,6 +117,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+import regex
 
 from tandem.messages import DetokenizeParams
 
@@ -150,6 +165,13 @@ class IncrementalDetokenizer:
         self.finished = False
         # Stop strings that need holdback (empty strings never match anything useful).
         self._stops: list[str] = [s for s in (params.stop or []) if s] if not params.no_stop_trim else []
+        self._stop_regex: list[str] = list(params.stop_regex or []) if not params.no_stop_trim else []
+        self._partial: list[Any] = []  # the regex package's patterns (None: hold all back)
+        for pattern in self._stop_regex:
+            try:
+                self._partial.append(regex.compile(pattern))
+            except Exception:  # noqa: BLE001 - valid for `re`, not for `regex`
+                self._partial.append(None)
         self._surr_text = self._decode(self.ids)  # decode(ids[surr:read]), cached
         self._confirmed_text = ""  # output text of ids[:read], built from confirmed deltas
         self._output_text = ""  # everything returned so far
@@ -187,6 +209,9 @@ class IncrementalDetokenizer:
             if trim and isinstance(matched, str) and matched:
                 start = max(0, len(self._output_text) - len(matched) + 1)
                 pos = candidate.find(matched, start)
+                if pos == -1 and matched in self._stop_regex:
+                    found = re.search(matched, candidate)
+                    pos = -1 if found is None else found.start()
                 if pos != -1:
                     candidate = candidate[: max(pos, len(self._output_text))]
             return self._emit(candidate)
@@ -205,6 +230,8 @@ class IncrementalDetokenizer:
 
         if self._stops:
             candidate = candidate[: self._stop_safe_len(candidate)]
+        if self._stop_regex:
+            candidate = candidate[: self._regex_safe_len(candidate)]
         return self._emit(candidate)
 
     # ----------------------------------------------------------------- helpers
@@ -240,6 +267,19 @@ class IncrementalDetokenizer:
                     safe = min(safe, len(text) - k)
                     break
         return safe
+
+    def _regex_safe_len(self, text: str) -> int:
+        """Length of the longest prefix of `text` before which no stop regex can match:
+        the start of the first full or partial match beginning in the pending text."""
+        emitted = len(self._output_text)
+        safe = len(text)
+        for pattern in self._partial:
+            if pattern is None:
+                return emitted
+            found = pattern.search(text, emitted, partial=True)
+            if found is not None:
+                safe = min(safe, found.start())
+        return max(safe, emitted)
 
     def _emit(self, candidate: str) -> str:
         emitted = len(self._output_text)

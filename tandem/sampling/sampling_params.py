@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import reprlib
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -27,7 +28,6 @@ UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType(
     {
         "structural_tag": "structured output",
         "choice": "structured output (choice)",
-        "stop_regex": "stopping on a regular expression",
         "beam_width": "beam search",
         "logit_bias": "logit bias",
         "custom_params": "custom logit processor input",
@@ -57,6 +57,9 @@ class SamplingParams:
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop when the output's tail matches one of these regular expressions (Python `re`,
+    # as SGLang); the finish reason names the pattern (tandem/scheduler/finish_check.py).
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -100,6 +103,8 @@ class SamplingParams:
             data["json_schema"] = json.dumps(data["json_schema"])
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
+        if isinstance(data.get("stop_regex"), str):
+            data["stop_regex"] = [data["stop_regex"]] if data["stop_regex"] else []
         if isinstance(data.get("stop_token_ids"), int) and not isinstance(data.get("stop_token_ids"), bool):
             data["stop_token_ids"] = [data["stop_token_ids"]]
         params = cls(**data)
@@ -140,6 +145,13 @@ class SamplingParams:
             raise ValueError("sampling_params.stop: must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise ValueError("sampling_params.stop: stop strings must not be empty")
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) for s in self.stop_regex):
+            raise ValueError("sampling_params.stop_regex: must be a string or a list of strings")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except (re.error, RecursionError, OverflowError) as e:
+                raise ValueError(f"sampling_params.stop_regex: invalid regex {_show(pattern)}: {e}") from None
         if not isinstance(self.stop_token_ids, list):
             raise ValueError("sampling_params.stop_token_ids: must be a list of token ids")
         for tid in self.stop_token_ids:

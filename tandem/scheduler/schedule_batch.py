@@ -171,6 +171,7 @@ class Req:
             no_stop_trim=sp.no_stop_trim,
             stream=self.stream,
             prompt_tail=self.origin_input_ids[-INIT_INCREMENTAL_DETOKENIZATION_OFFSET:],
+            stop_regex=list(sp.stop_regex),
         )
 
 

@@ -205,8 +205,7 @@ def test_tokenize_messages_gives_the_chat_prompt(server, client, tokenizer):
         ({"frequency_penalty": 3.0}, "frequency_penalty", "frequency_penalty"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
         ({"extra_body": {"min_tokens": 9}}, "min_tokens", "min_tokens"),
-        # A feature Tandem lacks is refused by name, as on /generate, never silently ignored.
-        ({"extra_body": {"stop_regex": "and|or"}}, "stop_regex", "stop_regex"),
+        ({"extra_body": {"stop_regex": "(and|or"}}, "stop_regex", "stop_regex: invalid regex"),
         # SGLang's wording, which clients and SGLang's tests match on.
         ({"max_tokens": 1000}, "max_tokens", "max_completion_tokens is too large: 1000"),
         ({"max_tokens": CONTEXT - 1}, "max_tokens", "Requested token count exceeds the model's maximum context length"),

@@ -197,7 +197,7 @@ def test_sglang_fields_accepted_or_named(client):
             "sampling_params.structural_tag: structured output is not supported",
         ),
         ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
-        ({"sampling_params": {"stop_regex": ["x+"]}}, "sampling_params.stop_regex:"),
+        ({"sampling_params": {"stop_regex": ["x+", "(x"]}}, "sampling_params.stop_regex: invalid regex"),
         ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense: unknown"),
         ({"lora_path": "adapter-a"}, "lora_path: LoRA is not supported yet"),
         ({"image_data": "http://x/y.png"}, "image_data: image input is not supported yet"),

@@ -69,6 +69,8 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
     }
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.stop_regex:
+        params["stop_regex"] = [req.stop_regex] if isinstance(req.stop_regex, str) else list(req.stop_regex)
     if req.seed is not None:
         params["sampling_seed"] = req.seed
     for name in (

@@ -62,9 +62,9 @@ class _SamplingFields(BaseModel):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's extension: stop on a regex match
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
-    stop_regex: str | list[str] | None = None  # SGLang's extension
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
 
     def unsupported_fields(self) -> list[str]:
@@ -76,7 +76,7 @@ class _SamplingFields(BaseModel):
         ]
 
     def _neutral_values(self) -> dict[str, Any]:
-        return {"logit_bias": lambda v: not v, "stop_regex": lambda v: not v}
+        return {"logit_bias": lambda v: not v}
 
     def grammar_fields(self) -> dict[str, tuple[str, str]]:
         """Each field that constrains the output, as {field: (sampling param, value)}."""

@@ -1,0 +1,65 @@
+"""SGLang features of #26 end to end: stop_regex on the native and OpenAI routes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _stop_pattern(client) -> tuple[str, str, str]:
+    """(pattern, text before its first match, the greedy output without it) on this model:
+    a 3-character piece from the middle of the greedy output, escaped."""
+    text = client.post("/generate", json={"text": "Hello there", "sampling_params": {**GREEDY, "max_new_tokens": 24}})
+    text = text.json()["text"]
+    piece = next(text[k : k + 3] for k in range(len(text) // 3, len(text) - 3) if text[k : k + 3].strip())
+    pattern = re.escape(piece)
+    return pattern, text[: re.search(pattern, text).start()], text
+
+
+def test_stop_regex_native(client):
+    pattern, before, _ = _stop_pattern(client)
+    body = {"text": "Hello there", "sampling_params": {**GREEDY, "max_new_tokens": 24, "stop_regex": pattern}}
+    out = client.post("/generate", json=body).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert out["text"] == before
+    kept = client.post("/generate", json={**body, "sampling_params": {**body["sampling_params"], "no_stop_trim": True}})
+    assert re.search(pattern, kept.json()["text"]) and kept.json()["text"].startswith(before)
+    # A list; the stream never shows the match and ends with the same text.
+    body["sampling_params"]["stop_regex"] = ["zzzq", pattern]
+    streamed = ""
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert before.startswith(chunk["text"]), chunk["text"]
+                streamed = chunk["text"]
+    assert streamed == before and chunk["meta_info"]["finish_reason"]["matched"] == pattern
+    bad = client.post("/generate", json={"text": "x", "sampling_params": {"stop_regex": "(a"}})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("sampling_params.stop_regex: invalid")
+
+
+def test_stop_regex_openai(client, server):
+    pattern, before, _ = _stop_pattern(client)
+    body = {"prompt": "Hello there", "max_tokens": 24, "stop_regex": pattern, **GREEDY}
+    out = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (out["finish_reason"], out["matched_stop"], out["text"]) == ("stop", pattern, before)
+    text = ""
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["text"]
+                    assert before.startswith(text)
+    assert text == before
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, **GREEDY}
+    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    piece = re.escape(plain[len(plain) // 2 : len(plain) // 2 + 2])
+    out = client.post("/v1/chat/completions", json={**chat, "stop_regex": [piece]}).json()["choices"][0]
+    assert out["finish_reason"] == "stop" and out["matched_stop"] == piece
+    assert out["message"]["content"] == plain[: re.search(piece, plain).start()]
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, "stop_regex": "[a-"})
+    assert r.status_code == 400 and r.json()["param"] == "stop_regex" and "invalid regex" in r.json()["message"]
