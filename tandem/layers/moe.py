@@ -17,11 +17,11 @@ weight loader takes those (shard id `(N, "gate"|"up"|"down")`) or the stacked 3-
 intermediate dimension (gate/up rows, down columns): the layer returns partial sums and
 its caller all-reduces once (`reduce=True` does it here).
 
-After loading, `process_weights_after_loading(backend)` gives each expert's two matmuls the
-dense linears' kernel (`make_linear_kernel`: oneDNN's packed layout on CPU with `auto`,
-1.1-2.5x faster than `torch.mm` on the stacked slices, docs/perf-log/moe.md). The expert
-weights stay unquantized under `--quantization q8_0|q4_0|q4_1` (no quantized kernel for
-experts yet; the model logs it).
+After loading, `process_weights_after_loading(backend, quantization)` gives each expert's two
+matmuls the dense linears' kernel (`make_linear_kernel`: oneDNN's packed layout on CPU with
+`auto`, 1.1-2.5x faster than `torch.mm` on the stacked slices, docs/perf-log/moe.md) and,
+under `--quantization q8_0|q4_0|q4_1`, each projection's GGUF blocks with Tandem's C++
+quantized kernel for an expert's slices of few tokens (decode), as the dense linears.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.linear import divide
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QuantLinearKernel, quantize_dense
 from tandem.layers.weight_shard import read_shard
 
 
@@ -105,6 +106,20 @@ def _experts_without_host_sync(x, w13, w2, topk_weights, topk_ids, act, out):
     return out
 
 
+def _rows_dispatch(quant: QuantLinearKernel, dense: LinearKernel | None, weight: torch.Tensor) -> LinearKernel:
+    """A few rows on the quantized blocks, more on the dense kernel (`LinearBase.matmul`'s rule)."""
+    if dense is None:
+        weight = weight.clone()  # the stacked tensor stays, but its slice must not change under us
+
+        def dense(x):
+            return torch.mm(x, weight.t())
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        return quant(x) if x.shape[0] <= QUANT_MAX_ROWS else dense(x)
+
+    return matmul
+
+
 class FusedMoE(nn.Module):
     """Every expert's SiLU-gated MLP, stacked; `forward(x, topk_weights, topk_ids)`."""
 
@@ -130,15 +145,33 @@ class FusedMoE(nn.Module):
         self.act_fn = SiluAndMul()
         self.kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None
 
-    def process_weights_after_loading(self, backend: str) -> None:
+    def process_weights_after_loading(self, backend: str, quantization: str | None = None) -> None:
         """Each expert's two matmuls on `backend`'s kernel (`make_linear_kernel`: oneDNN's
         packed layout on CPU with `auto`), which then holds the only copy of the weights;
-        left on `torch.mm` over the stacked tensors where the backend packs none."""
-        self.kernels = None
-        w13 = [make_linear_kernel(self.gate_up_proj.data[e], None, backend) for e in range(self.num_experts)]
-        w2 = [make_linear_kernel(self.down_proj.data[e], None, backend) for e in range(self.num_experts)]
-        if all(k is not None for k in w13 + w2):
-            self.kernels = (w13, w2)
+        left on `torch.mm` over the stacked tensors where the backend packs none.
+        `quantization` (q8_0, q4_0, q4_1) first rounds each expert's projection to that GGUF
+        type where its input width is a whole number of blocks (as `LinearBase` does): the
+        dense kernel multiplies the dequantized values, and with `auto` an expert's slice of
+        at most `QUANT_MAX_ROWS` tokens the blocks (Tandem's C++ kernel). `quantized`: how
+        many of the 2 * E projections were."""
+        self.kernels, self.quantized = None, 0
+        per_proj = []
+        for param in (self.gate_up_proj, self.down_proj):
+            kernels = []
+            for e in range(self.num_experts):
+                weight = param.data[e]
+                quant = None
+                packed = quantize_dense(weight, quantization) if quantization else None
+                if packed is not None:
+                    weight.copy_(torch.from_numpy(packed.dequantize()))
+                    self.quantized += 1
+                    if backend == "auto":
+                        quant = QuantLinearKernel.from_packed(packed, weight, None)
+                dense = make_linear_kernel(weight, None, backend)
+                kernels.append(_rows_dispatch(quant, dense, weight) if quant is not None else dense)
+            per_proj.append(kernels)
+        if all(k is not None for k in per_proj[0] + per_proj[1]):
+            self.kernels = (per_proj[0], per_proj[1])
             for p in (self.gate_up_proj, self.down_proj):
                 p.data = torch.empty(p.shape[0], 0, 0, dtype=p.dtype, device=p.device)
 

@@ -9,7 +9,8 @@ shared expert return partial sums over their intermediate slices, added before t
 all-reduce of the block.
 
 `MoECausalLM`: a `CausalLM` whose `make_mlp` builds the block on the layers its config
-makes sparse, and whose `load_weights` takes the checkpoints' per-expert names
+makes sparse, whose `process_weights_after_loading` also prepares the experts' kernels
+(and `--quantization`'s blocks), and whose `load_weights` takes the checkpoints' per-expert names
 (`mlp.experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.N.w{1,3,2}`
 and `block_sparse_moe.gate`) as well as transformers 5's stacked ones
 (`mlp.experts.gate_up_proj` / `down_proj`, the parameters' own names).
@@ -156,14 +157,15 @@ class MoECausalLM(CausalLM):
 
     def process_weights_after_loading(self, linear_backend: str, quantization: str | None = None) -> None:
         super().process_weights_after_loading(linear_backend, quantization)
-        for module in self.modules():
-            if isinstance(module, FusedMoE):
-                module.process_weights_after_loading(linear_backend)
-        if quantization in QUANTIZE_AT_LOAD:
-            sparse = sum(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers)
+        at_load = quantization if quantization in QUANTIZE_AT_LOAD else None
+        experts = [m for m in self.modules() if isinstance(m, FusedMoE)]
+        for module in experts:
+            module.process_weights_after_loading(linear_backend, at_load)
+        if at_load:
             logger.info(
-                "--quantization %s: the expert weights of the %d MoE layers and their routers stay dense "
-                "(no quantized kernel for stacked experts yet)",
-                quantization,
-                sparse,
+                "--quantization %s: %d of %d expert projections quantized (input width a multiple of 32), "
+                "the routers dense",
+                at_load,
+                sum(m.quantized for m in experts),
+                sum(2 * m.num_experts for m in experts),
             )

@@ -3,7 +3,8 @@ against transformers on tiny random models made with transformers' own config an
 classes (several experts, top-k 2; Qwen2-MoE with its shared expert and one dense layer
 through `mlp_only_layers`): fp32 greedy tokens equal and every step's logits within
 1e-4 of their largest, prefilled whole, in chunks, and through the scheduler with a
-radix hit; TP 2 equal to TP 1. The fused expert layer (tandem/layers/moe.py) against a naive
+radix hit; TP 2 equal to TP 1; bf16 near transformers' bf16; `--quantization` on the
+experts. The fused expert layer (tandem/layers/moe.py) against a naive
 per-token loop in fp32 and bf16; `--ep-size` other than 1 refused at start."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.layers.linear_kernel import can_pack
 from tandem.layers.moe import FusedMoE, fused_experts, select_experts
+from tandem.layers.quantization.gguf_linear import quantize_dense
 from tandem.models.registry import resolve_model_class
 from tandem.server_args import ServerArgs
 
@@ -248,17 +250,44 @@ def test_ep_size_other_than_one_is_refused():
     ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/m", "--ep-size", "1"])).validate()
 
 
-def test_moe_under_quantization_keeps_experts_dense(tiny_moe, caplog):
-    """`--quantization q8_0`: the attention, dense and shared-expert linears are quantized,
-    the stacked experts stay dense and the log says so; the model still serves."""
+def test_moe_under_quantization(tiny_moe, caplog):
+    """`--quantization q8_0`: the expert projections whose input width is a multiple of 32
+    are quantized too (Mixtral's all, Qwen's gate/up: their down_proj's 48 columns are
+    not), the log says how many; the model still serves."""
     family, path, _ = tiny_moe
     with caplog.at_level("INFO"):
         runner = make_runner(path, dtype="float32", quantization="q8_0")
-    assert any("MoE layers and their routers stay dense" in r.getMessage() for r in caplog.records)
-    experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    assert experts and all(m.kernels is not None or m.gate_up_proj.numel() > 0 for m in experts)
+    [line] = [r.getMessage() for r in caplog.records if "expert projections quantized" in r.getMessage()]
+    want = {"mixtral": "16 of 16", "qwen2_moe": "8 of 16", "qwen3_moe": "16 of 32"}[family]
+    assert want in line
     ids, _ = greedy_steps(runner, PROMPTS, 2)
     assert all(len(g) == 2 for g in ids)
+
+
+@pytest.mark.parametrize("method", ["q8_0", "q4_0"])
+def test_quantized_experts_equal_the_dequantized_weights(method):
+    """Each expert's projection rounded to the GGUF type: few tokens per expert run the
+    C++ quantized kernel, many the dense kernel on the dequantized weights; both equal
+    `torch.mm` on the dequantized stacked tensors, to the kernel's rounding."""
+    torch.manual_seed(4)
+    experts, hidden, inter = 4, 64, 96
+    layer = FusedMoE(experts, hidden, inter)
+    with torch.no_grad():
+        layer.gate_up_proj.normal_(0, 0.1)
+        layer.down_proj.normal_(0, 0.1)
+    deq = [
+        torch.stack([torch.from_numpy(quantize_dense(p.data[e], method).dequantize()) for e in range(experts)])
+        for p in (layer.gate_up_proj, layer.down_proj)
+    ]
+    layer.process_weights_after_loading("auto", method)
+    assert layer.quantized == 2 * experts
+    for tokens in (1, 3, 40):  # 40 tokens: more than QUANT_MAX_ROWS on every expert
+        x = torch.randn(tokens, hidden)
+        weights, ids = select_experts(torch.randn(tokens, experts), 2, True)
+        with torch.inference_mode():
+            got = layer.forward(x, weights, ids)
+        want = fused_experts(x, deq[0], deq[1], weights, ids)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.slow  # two gloo ranks in subprocesses
