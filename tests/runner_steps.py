@@ -1,9 +1,14 @@
 """Drive a ModelRunner without a scheduler: prefill prompts (optionally in chunks), then
 greedy decode steps, returning tokens and logits; shared by the attention-backend tests
 on CPU and the CUDA checks. `hf_greedy` is the same for a transformers model (the
-reference those tests compare with)."""
+reference those tests compare with); `assert_greedy_matches_transformers` is that
+comparison, and `random_model`/`save_random_model` make the tiny random models the
+model-vs-transformers tests compare on."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 
@@ -81,3 +86,94 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[tor
         return_dict_in_generate=True,
     )
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
+
+
+def random_model(
+    build: Callable[[], torch.nn.Module],
+    *,
+    seed: int = 0,
+    spread: Callable[[torch.nn.Module], None] | None = None,
+    logit_scale: float | None = 20.0,
+) -> torch.nn.Module:
+    """`build()` (a transformers model on a tiny config) under `torch.manual_seed(seed)`, in
+    eval mode; `spread(model)` then widens weights random init leaves too flat, and the
+    lm_head is scaled by `logit_scale` to spread the logits (random init leaves them
+    near-uniform; None for a tied head)."""
+    torch.manual_seed(seed)
+    model = build().eval()
+    with torch.no_grad():
+        if spread is not None:
+            spread(model)
+        if logit_scale is not None:
+            model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def save_random_model(path, build: Callable[[], torch.nn.Module], **kwargs):
+    """`random_model(build, **kwargs)` saved with save_pretrained to `path`; returns `path`."""
+    random_model(build, **kwargs).save_pretrained(path)
+    return path
+
+
+def reference_model(model_dir, dtype: torch.dtype = torch.float32, **kwargs):
+    """transformers' model on `model_dir` (kwargs to from_pretrained), in eval mode, with no
+    EOS: it generates every step, as `greedy_steps` does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def assert_near_largest(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    """`got` within `rel` of `ref`'s largest magnitude, element by element."""
+    torch.testing.assert_close(got.float(), ref, atol=rel * ref.abs().max().item(), rtol=0)
+
+
+def assert_greedy_matches_transformers(
+    got: tuple[list[list[int]], list[torch.Tensor]],
+    reference,
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    rel: float = 1e-4,
+    tokens: str = "all",
+    logits: str = "all",
+) -> None:
+    """`got` (`greedy_steps`' ids and logits) against transformers' greedy `generate` of
+    `steps` tokens after each prompt: `reference` is a transformers model or a model
+    directory (loaded by `reference_model`, fp32). The generated tokens equal ("all", or
+    only the first with tokens="first"), and every step's logits (or only the first
+    step's, logits="first") within `rel` of the reference's largest."""
+    ids, step_logits = got
+    model = reference_model(reference) if isinstance(reference, (str, os.PathLike)) else reference
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy(model, prompt, steps)
+        if tokens == "first":
+            assert ids[i][0] == ref_ids[0], f"prompt {i}"
+        else:
+            assert ids[i] == ref_ids, f"prompt {i}"
+        for step, ref in enumerate(ref_logits[:1] if logits == "first" else ref_logits):
+            assert_near_largest(step_logits[step][i], ref, rel)
+
+
+def assert_radix_hit_matches_transformers(model_dir, reference, steps: int, **harness_kwargs) -> None:
+    """Through the scheduler (fp32, CPU): a prompt, then one sharing its first 20 tokens
+    (their KV from the radix cache), greedy `steps` tokens each; outputs as `reference`'s
+    (a transformers model)."""
+    from scheduler_harness import SchedulerHarness
+
+    base = list(range(1, 30))
+    prompts = [base, base[:20] + [40, 41, 42, 43, 44]]
+    want = [hf_greedy(reference, p, steps)[0] for p in prompts]
+    h = SchedulerHarness(
+        model_dir, dtype="float32", device="cpu", random_seed=0, disable_overlap_schedule=True, **harness_kwargs
+    )
+    try:
+        for i, p in enumerate(prompts):
+            h.submit(str(i), input_ids=p, max_new_tokens=steps)
+            h.run_until_idle()
+        assert h.collected.cached_tokens["1"] >= 16  # the radix hit
+        assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
+    finally:
+        h.close()

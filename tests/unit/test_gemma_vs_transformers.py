@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_steps import greedy_steps, hf_greedy, make_runner
-from scheduler_harness import SchedulerHarness
-from transformers import AutoModelForCausalLM
+from runner_steps import (
+    assert_greedy_matches_transformers,
+    assert_radix_hit_matches_transformers,
+    greedy_steps,
+    make_runner,
+    random_model,
+    reference_model,
+)
 
 PROMPTS = [[2, 5, 9, 13, 7, 7, 3, 11, 4, 30], [2, 8], list(range(1, 30))]
 STEPS = 6
 WINDOW = 4
+COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    head_dim=32,
+    max_position_embeddings=256,
+    sliding_window=WINDOW,
+    tie_word_embeddings=True,
+)
 
 
 def _spread_weights(model):
@@ -39,41 +54,22 @@ def _spread_weights(model):
 def _gemma2(**over):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    torch.manual_seed(0)
     config = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
         query_pre_attn_scalar=24,
         attn_logit_softcapping=2.0,
         final_logit_softcapping=5.0,
-        tie_word_embeddings=True,
     )
-    model = Gemma2ForCausalLM(Gemma2Config(**{**config, **over}))
-    _spread_weights(model)
-    return model
+    return _random(lambda: Gemma2ForCausalLM(Gemma2Config(**{**COMMON, **config, **over})), seed=0)
 
 
 def _gemma3(**over):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    torch.manual_seed(1)
     config = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
         query_pre_attn_scalar=32,
         final_logit_softcapping=8.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
@@ -81,11 +77,13 @@ def _gemma3(**over):
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
-        tie_word_embeddings=True,
     )
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**config, **over}))
-    _spread_weights(model)
-    return model
+    return _random(lambda: Gemma3ForCausalLM(Gemma3TextConfig(**{**COMMON, **config, **over})), seed=1)
+
+
+def _random(build, seed):
+    """Seeded, its weights spread (the head is the tied embedding, widened there)."""
+    return random_model(build, seed=seed, spread=_spread_weights, logit_scale=None)
 
 
 FAMILIES = {"gemma2": _gemma2, "gemma3": _gemma3}
@@ -106,19 +104,14 @@ def tiny_gemma3_dir(tmp_path_factory):
 
 
 def _reference(model_dir):
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
-    model.eval().generation_config.eos_token_id = None
-    return [hf_greedy(model, p, STEPS) for p in PROMPTS]
+    return reference_model(model_dir, attn_implementation="eager")
 
 
 def _check(model_dir, chunk=None, **runner_args):
     runner = make_runner(model_dir, dtype="float32", **runner_args)
     assert type(runner.model).__module__ == "tandem.models.gemma"
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS, chunk=chunk)
-    for i, (ref_ids, ref_logits) in enumerate(_reference(model_dir)):
-        assert ids[i] == ref_ids, f"prompt {i}"
-        for step, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(runner, PROMPTS, STEPS, chunk=chunk)
+    assert_greedy_matches_transformers(got, _reference(model_dir), PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -149,20 +142,7 @@ def test_gemma_radix_hit_matches_transformers(family, request):
     """Through the scheduler: a prompt, then one sharing its first 20 tokens (its prefix KV
     from the radix cache, five windows long), greedy; outputs as transformers'."""
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    base = list(range(1, 30))
-    prompts = [base, base[:20] + [40, 41, 42, 43, 44]]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
-    model.eval().generation_config.eos_token_id = None
-    want = [hf_greedy(model, p, STEPS)[0] for p in prompts]
-    h = SchedulerHarness(model_dir, dtype="float32", device="cpu", random_seed=0, disable_overlap_schedule=True)
-    try:
-        for i, p in enumerate(prompts):
-            h.submit(str(i), input_ids=p, max_new_tokens=STEPS)
-            h.run_until_idle()
-        assert h.collected.cached_tokens["1"] >= 16  # the radix hit
-        assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
-    finally:
-        h.close()
+    assert_radix_hit_matches_transformers(model_dir, _reference(model_dir), STEPS)
 
 
 @pytest.mark.slow  # two gloo ranks in subprocesses

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from gguf_writer import write_gguf
-from runner_steps import greedy_steps, hf_greedy, make_runner
+from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.model_executor.model_loader import check_model, load_config
@@ -44,14 +44,8 @@ def hf_from_gguf(path):
 
 
 def assert_matches_transformers(gguf_path, reference_path=None):
-    runner = make_runner(gguf_path, dtype="float32")
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = hf_from_gguf(reference_path or gguf_path)
-    for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
-        assert ids[i] == ref_ids, f"prompt {i}"
-        for step, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(make_runner(gguf_path, dtype="float32"), PROMPTS, STEPS)
+    assert_greedy_matches_transformers(got, hf_from_gguf(reference_path or gguf_path), PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("arch,qtype", CASES)
@@ -71,14 +65,8 @@ def scaled_model(tmp_path, scaling: dict):
 def assert_matches_directory(gguf_path, model_dir):
     """Tandem on the GGUF file against transformers on the Hugging Face directory it came
     from: greedy tokens equal, first-step logits within 1e-4 of their largest."""
-    runner = make_runner(gguf_path, dtype="float32")
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
-        assert ids[i] == ref_ids, f"prompt {i}"
-        torch.testing.assert_close(logits[0][i], ref_logits[0], atol=1e-4 * ref_logits[0].abs().max().item(), rtol=0)
+    got = greedy_steps(make_runner(gguf_path, dtype="float32"), PROMPTS, STEPS)
+    assert_greedy_matches_transformers(got, model_dir, PROMPTS, STEPS, logits="first")
 
 
 def test_llama3_rope_frequency_factors_apply(tmp_path):

@@ -14,10 +14,14 @@ import copy
 
 import pytest
 import torch
-from runner_steps import greedy_steps, hf_greedy, make_runner
+from runner_steps import (
+    assert_greedy_matches_transformers,
+    assert_radix_hit_matches_transformers,
+    greedy_steps,
+    make_runner,
+    random_model,
+)
 from safetensors.torch import load_file
-from scheduler_harness import SchedulerHarness
-from transformers import AutoModelForCausalLM
 
 from tandem.layers.linear_kernel import can_pack
 from tandem.layers.moe import FusedMoE, fused_experts, select_experts
@@ -79,20 +83,21 @@ def _qwen3_moe(**over):
 FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 
-def _spread(model):
-    """Non-zero routers (Qwen MoE initializes them to zero) and wider logits."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
-                p.normal_(0, 0.5)
-        model.lm_head.weight.mul_(20)
+def _routers(model):
+    """Non-zero routers (Qwen MoE initializes them to zero)."""
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+            p.normal_(0, 0.5)
+
+
+def _random(family, **over):
+    """The family's tiny model, seeded, routers non-zero and logits spread."""
+    return random_model(lambda: FAMILIES[family](**over), spread=_routers)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def tiny_moe(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = FAMILIES[request.param]().eval()
-    _spread(model)
+    model = _random(request.param)
     path = tmp_path_factory.mktemp("models") / f"tiny-{request.param}"
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None  # the reference generates every step
@@ -103,54 +108,22 @@ def test_moe_greedy_and_logits_match_transformers(tiny_moe):
     family, path, _ = tiny_moe
     runner = make_runner(path, dtype="float32")
     assert type(runner.model).__module__ == f"tandem.models.{family}"
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    for i, prompt in enumerate(PROMPTS):
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=STEPS,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        assert ids[i] == out.sequences[0, len(prompt) :].tolist(), f"prompt {i}"
-        for step, ref in enumerate(out.logits):
-            ref = ref[0].float()
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(runner, PROMPTS, STEPS)
+    assert_greedy_matches_transformers(got, path, PROMPTS, STEPS)
 
 
 def test_moe_chunked_prefill_matches_transformers(tiny_moe):
     """Prompts prefilled in chunks of 4 tokens (each chunk routed on its own), greedy."""
     family, path, hf = tiny_moe
-    ids, logits = greedy_steps(make_runner(path, dtype="float32"), PROMPTS, STEPS, chunk=4)
-    for i, prompt in enumerate(PROMPTS):
-        want_ids, want_logits = hf_greedy(hf, prompt, STEPS)
-        assert ids[i] == want_ids, f"prompt {i}"
-        for step, ref in enumerate(want_logits):
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(make_runner(path, dtype="float32"), PROMPTS, STEPS, chunk=4)
+    assert_greedy_matches_transformers(got, hf, PROMPTS, STEPS)
 
 
 def test_moe_radix_hit_matches_transformers(tiny_moe):
     """Through the scheduler: a prompt, then one sharing its first 20 tokens (their KV from
     the radix cache), greedy; outputs as transformers'."""
     family, path, hf = tiny_moe
-    base = list(range(1, 30))
-    prompts = [base, base[:20] + [40, 41, 42, 43, 44]]
-    want = [hf_greedy(hf, p, STEPS)[0] for p in prompts]
-    h = SchedulerHarness(
-        path, dtype="float32", device="cpu", random_seed=0, disable_overlap_schedule=True, skip_tokenizer_init=True
-    )
-    try:
-        for i, p in enumerate(prompts):
-            h.submit(str(i), input_ids=p, max_new_tokens=STEPS)
-            h.run_until_idle()
-        assert h.collected.cached_tokens["1"] >= 16  # the radix hit
-        assert [h.collected.ids[str(i)] for i in range(len(prompts))] == want
-    finally:
-        h.close()
+    assert_radix_hit_matches_transformers(path, hf, STEPS, skip_tokenizer_init=True)
 
 
 def test_moe_loads_transformers_stacked_expert_names(tiny_moe):
@@ -301,9 +274,7 @@ def test_moe_on_two_ranks_equals_one(tmp_path):
 
     dirs = []
     for family in sorted(FAMILIES):
-        torch.manual_seed(0)
-        model = FAMILIES[family](vocab_size=1536)  # test_parallel_layers' prompts
-        _spread(model)
+        model = _random(family, vocab_size=1536)  # test_parallel_layers' prompts
         model.save_pretrained(tmp_path / family)
         dirs.append(str(tmp_path / family))
     single = _generate_on_rank(TpGroup(), dirs)
@@ -342,10 +313,5 @@ def test_moe_bf16_matches_transformers_bf16(tiny_moe):
     """bf16 serving (routing weights in the family's dtype, the packed bf16 expert kernels):
     first-step logits within 3e-2 of transformers' bf16 largest, the same first token."""
     family, path, hf = tiny_moe
-    ids, logits = greedy_steps(make_runner(path, dtype="bfloat16"), PROMPTS, 1)
-    ref_model = copy.deepcopy(hf).to(torch.bfloat16)
-    for i, prompt in enumerate(PROMPTS):
-        want_ids, want_logits = hf_greedy(ref_model, prompt, 1)
-        ref = want_logits[0]
-        torch.testing.assert_close(logits[0][i].float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
-        assert ids[i] == want_ids, f"prompt {i}"
+    got = greedy_steps(make_runner(path, dtype="bfloat16"), PROMPTS, 1)
+    assert_greedy_matches_transformers(got, copy.deepcopy(hf).to(torch.bfloat16), PROMPTS, 1, rel=3e-2)

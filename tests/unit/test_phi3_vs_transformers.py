@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_steps import greedy_steps, hf_greedy, make_runner
+from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner, save_random_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -55,26 +55,15 @@ def phi3_config(longrope: bool):
 def tiny_phi3_dir(request, tmp_path_factory):
     from transformers import Phi3ForCausalLM as HFPhi3
 
-    torch.manual_seed(0)
-    model = HFPhi3(phi3_config(request.param == "longrope"))
-    with torch.no_grad():  # spread the logits (random init leaves them near-uniform)
-        model.lm_head.weight.mul_(20)
     path = tmp_path_factory.mktemp("models") / f"tiny-phi3-{request.param}"
-    model.save_pretrained(path)
-    return path
+    return save_random_model(path, lambda: HFPhi3(phi3_config(request.param == "longrope")))
 
 
 def test_phi3_greedy_and_logits_match_transformers(tiny_phi3_dir):
     runner = make_runner(tiny_phi3_dir, dtype="float32")
     assert type(runner.model).__module__ == "tandem.models.phi3"
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_phi3_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
-        assert ids[i] == ref_ids, f"prompt {i}"
-        for step, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(runner, PROMPTS, STEPS)
+    assert_greedy_matches_transformers(got, tiny_phi3_dir, PROMPTS, STEPS)
 
 
 def test_fused_tensors_split_per_rank(tiny_phi3_dir):

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from runner_steps import greedy_steps, hf_greedy, make_runner
-from transformers import AutoModelForCausalLM
+from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner, random_model
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 40))]
 STEPS = 6
@@ -46,7 +44,6 @@ def tiny_llama(tmp_path_factory):
     """One random Llama's weights, saved once per scaling kind."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=384,
         hidden_size=HEAD_DIM * 4,
@@ -57,9 +54,7 @@ def tiny_llama(tmp_path_factory):
         max_position_embeddings=MAX_POS,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # spread the logits (random init leaves them near-uniform)
-        model.lm_head.weight.mul_(20)
+    model = random_model(lambda: LlamaForCausalLM(config))
     base = tmp_path_factory.mktemp("models")
 
     def save(name: str, rope_scaling: dict | None, rope_theta: float = 10000.0):
@@ -76,15 +71,8 @@ def tiny_llama(tmp_path_factory):
 
 
 def assert_equal_to(ours, ref_dir):
-    runner = make_runner(ours, dtype="float32")
-    ids, logits = greedy_steps(runner, PROMPTS, STEPS)
-    model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    for i, prompt in enumerate(PROMPTS):
-        ref_ids, ref_logits = hf_greedy(model, prompt, STEPS)
-        assert ids[i] == ref_ids, f"prompt {i}"
-        for step, ref in enumerate(ref_logits):
-            torch.testing.assert_close(logits[step][i], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    got = greedy_steps(make_runner(ours, dtype="float32"), PROMPTS, STEPS)
+    assert_greedy_matches_transformers(got, ref_dir, PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("kind", sorted(k for k in SCALINGS if k != "dynamic"))
