@@ -19,7 +19,7 @@ from tandem.entrypoints.health import EngineHealth, GenerationProbe
 from tandem.entrypoints.json_body import json_router, read_json_object
 from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.openai.common import sse
-from tandem.entrypoints.responses import error_response, json_response
+from tandem.entrypoints.responses import ended_by_server_response, error_response, json_response
 from tandem.entrypoints.streams import Refused, admitted_streams, last_outputs, merge_streams, refusal
 from tandem.metrics.collector import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tandem.server_args import ServerArgs
@@ -82,7 +82,7 @@ def native_router(tm: TokenizerManager, server_args: ServerArgs, engine_health: 
                 try:
                     admitted = await admitted_streams(request, streams)
                 except Refused as e:
-                    return error_response(e.message, e.status)
+                    return ended_by_server_response(e.message, e.status)
                 if admitted is None:
                     return Response(status_code=499)
                 streams = admitted
@@ -99,7 +99,7 @@ def native_router(tm: TokenizerManager, server_args: ServerArgs, engine_health: 
             return Response(status_code=499)
         rejected = refusal(results)
         if rejected is not None:
-            return error_response(*rejected)
+            return ended_by_server_response(*rejected)
         return json_response(results if multi else results[0])
 
     if tm.metrics is not None:

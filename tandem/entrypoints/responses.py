@@ -20,3 +20,21 @@ def json_response(obj: Any, status: int = 200) -> Response:
 def error_response(message: str, status: int = 400) -> Response:
     kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
     return json_response({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def ended_by_server_response(message: str, status: int) -> Response:
+    """A request the scheduler ended with a status code (busy, a timeout, 503; an internal
+    error, 500): SGLang's HTTPException shape, `{"object": "error", "message", "type",
+    "param", "code"}`, which its clients and tests read, with Tandem's `error` object too."""
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+    return json_response(
+        {
+            "object": "error",
+            "message": message,
+            "type": str(status),
+            "param": None,
+            "code": status,
+            "error": {"message": message, "type": kind, "code": status},
+        },
+        status,
+    )

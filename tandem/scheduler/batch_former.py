@@ -15,6 +15,7 @@ cache) and they return to the front of the queue with their outputs kept, to res
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from tandem.forward_batch import ForwardMode
@@ -89,6 +90,10 @@ class BatchFormer:
         if adder.chunked_req is not None:
             self.chunked_req = adder.chunked_req
         taken = {id(r) for r in adder.reqs}
+        now = time.perf_counter()
+        for req in adder.reqs:
+            if not req.forward_entry_time:  # its first forward (the running timeout counts from it)
+                req.forward_entry_time = now
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in taken]
         batch = ScheduleBatch(reqs=adder.reqs, forward_mode=ForwardMode.EXTEND, extend_lens=adder.extend_lens)
         batch.out_cache_loc = self.kv.alloc_extend(adder.reqs, adder.extend_lens)

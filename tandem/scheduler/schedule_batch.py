@@ -55,8 +55,14 @@ class Req:
     # Output ids already sent to the detokenizer; and whether its params were sent.
     sent_len: int = 0
     sent_detokenize_params: bool = False
-    # Set when the client aborted; honoured at the next result processing.
+    # Set when the client aborted; honoured at the next result processing (with
+    # `to_abort_status`, the status code of a timeout's abort).
     to_abort: str | None = None
+    to_abort_status: int | None = None
+    # time.perf_counter() when it entered the waiting queue, and when its first forward
+    # was formed (0: not yet): the waiting and running timeouts count from these.
+    queue_entry_time: float = 0.0
+    forward_entry_time: float = 0.0
     # Logprobs (SGLang semantics: of the model's distribution, before temperature).
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -160,7 +166,7 @@ class Req:
     def abort_reason(self) -> dict[str, Any] | None:
         """The abort finish when an abort came while this request was in a batch
         (`to_abort`), else None."""
-        return None if self.to_abort is None else finish_reason.abort(self.to_abort)
+        return None if self.to_abort is None else finish_reason.abort(self.to_abort, self.to_abort_status)
 
     def detokenize_params(self) -> DetokenizeParams:
         sp = self.sampling_params

@@ -25,6 +25,8 @@ its own request, with a 500 finish (`finish_reason.internal_error`).
 from __future__ import annotations
 
 import logging
+import os
+import time
 import traceback
 from typing import Any
 
@@ -56,6 +58,24 @@ logger = logging.getLogger(__name__)
 # grammar compiles (nothing else to run).
 IDLE_POLL_MS = 1000
 GRAMMAR_POLL_MS = 2
+# SGLang's request timeouts (seconds; unset or <= 0: off) and the aborts they end with.
+WAITING_TIMEOUT_ENV = "SGLANG_REQ_WAITING_TIMEOUT"
+RUNNING_TIMEOUT_ENV = "SGLANG_REQ_RUNNING_TIMEOUT"
+WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
+RUNNING_TIMEOUT_MESSAGE = "Request running timeout reached."
+TIMEOUT_STATUS = 503
+
+
+def timeout_from_env(name: str) -> float | None:
+    """Seconds from environment variable `name`; None when unset, empty or <= 0 (off)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: must be a number of seconds, got {raw!r}") from None
+    return seconds if seconds > 0 else None
 
 
 class Scheduler:
@@ -114,6 +134,9 @@ class Scheduler:
         self.control = SchedulerControl(self)
         self.num_finished_reqs = 0
         self.gen_throughput = GenThroughput()  # output tokens per second, for /v1/loads
+        # SGLang's SGLANG_REQ_WAITING_TIMEOUT / SGLANG_REQ_RUNNING_TIMEOUT (None: off).
+        self.waiting_timeout = timeout_from_env(WAITING_TIMEOUT_ENV)
+        self.running_timeout = timeout_from_env(RUNNING_TIMEOUT_ENV)
 
     def info(self) -> dict:
         """Resolved capacities reported to the parent at start-up."""
@@ -143,7 +166,40 @@ class Scheduler:
         return self.step_overlap() if self.enable_overlap else self.step_normal()
 
     def next_batch(self) -> ScheduleBatch | None:
-        return self.batches.next_batch(admit=not self.control.admission_paused(), make_room=self.sync_inflight)
+        """The next batch; the request timeouts are applied around its forming: running
+        requests past the running timeout are marked first (as SGLang, before a batch is
+        launched), waiting requests past the waiting timeout end after admission (one
+        that this batch admits is not timed out)."""
+        self.abort_on_running_timeout()
+        batch = self.batches.next_batch(admit=not self.control.admission_paused(), make_room=self.sync_inflight)
+        self.abort_on_waiting_timeout()
+        return batch
+
+    def abort_on_running_timeout(self) -> None:
+        """SGLang's running timeout: a running request whose first forward was formed
+        longer ago than SGLANG_REQ_RUNNING_TIMEOUT ends at its next result with a 503
+        abort (its outputs so far are kept in the finish record)."""
+        if self.running_timeout is None:
+            return
+        deadline = time.perf_counter() - self.running_timeout
+        for req in self.batches.running:
+            if not req.finished() and req.to_abort is None and 0 < req.forward_entry_time < deadline:
+                req.to_abort, req.to_abort_status = RUNNING_TIMEOUT_MESSAGE, TIMEOUT_STATUS
+
+    def abort_on_waiting_timeout(self) -> None:
+        """SGLang's waiting timeout: a request that has waited in the queue longer than
+        SGLANG_REQ_WAITING_TIMEOUT without starting ends now with a 503 abort. A
+        retracted request (it has run) is not timed out here; the running timeout
+        counts for it."""
+        if self.waiting_timeout is None or not self.batches.waiting_queue:
+            return
+        deadline = time.perf_counter() - self.waiting_timeout
+        expired = self.batches.take_waiting(lambda r: not r.admitted_once and 0 < r.queue_entry_time < deadline)
+        for req in expired:
+            req.finished_reason = finish_reason.abort(WAITING_TIMEOUT_MESSAGE, TIMEOUT_STATUS)
+            self._end(req)
+        if expired:
+            self.send_outputs(expired)
 
     def step_normal(self) -> bool:
         """event_loop_normal's step: form a batch, run it, process its result."""
@@ -220,6 +276,7 @@ class Scheduler:
             return
         req.set_output_limits(min(self.context_len, self.max_total_num_tokens), self.finish_checker.eos_token_ids)
         if req.sampling_params.grammar_key() is None:
+            req.queue_entry_time = time.perf_counter()
             self.batches.waiting_queue.append(req)
         elif self.grammar_backend is None:  # the tokenizer manager refuses these first
             req.finished_reason = finish_reason.abort("structured output is disabled on this server", 400)
@@ -233,6 +290,9 @@ class Scheduler:
         if not len(self.grammar_queue):
             return
         ready, failed = self.grammar_queue.pop_ready()
+        now = time.perf_counter()
+        for req in ready:
+            req.queue_entry_time = now
         self.batches.waiting_queue.extend(ready)
         if failed:
             self.send_outputs(failed)

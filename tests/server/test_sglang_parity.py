@@ -1,11 +1,14 @@
-"""SGLang features of #26 end to end: stop_regex on the native and OpenAI routes."""
+"""SGLang features of #26 end to end: stop_regex on the native and OpenAI routes; the
+request timeouts (SGLANG_REQ_RUNNING_TIMEOUT, SGLANG_REQ_WAITING_TIMEOUT)."""
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from server_launcher import ServerHandle
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -63,3 +66,34 @@ def test_stop_regex_openai(client, server):
     assert out["message"]["content"] == plain[: re.search(piece, plain).start()]
     r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, "stop_regex": "[a-"})
     assert r.status_code == 400 and r.json()["param"] == "stop_regex" and "invalid regex" in r.json()["message"]
+
+
+def test_running_timeout_ends_with_sglangs_503(tiny_llama_dir):
+    """SGLang's test_abort.TestAbortWithRunningTimeout: the request ends with
+    {"object": "error", "code": 503}; the OpenAI routes answer 503 in OpenAI's shape."""
+    with ServerHandle(tiny_llama_dir, env={"SGLANG_REQ_RUNNING_TIMEOUT": "0.001"}) as server:
+        body = {"text": "Today is ", "sampling_params": {"temperature": 0, "max_new_tokens": 512, "ignore_eos": True}}
+        r = httpx.post(server.base_url + "/generate", json=body, timeout=120)
+        assert r.status_code == 503 and r.json()["object"] == "error" and r.json()["code"] == 503, r.text
+        assert r.json()["message"] == "Request running timeout reached."
+        with httpx.stream("POST", server.base_url + "/generate", json={**body, "stream": True}, timeout=120) as s:
+            last = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")][-1]
+        assert last["meta_info"]["finish_reason"]["status_code"] == 503
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 512, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 503 and r.json()["object"] == "error" and r.json()["code"] == 503, r.text
+
+
+def test_waiting_timeout_ends_the_queued_request(tiny_llama_dir):
+    """SGLang's WaitingTimeoutMixin: with --max-running-requests 1, of two concurrent
+    requests exactly one ends with {"object": "error", "code": 503}."""
+    env = {"SGLANG_REQ_WAITING_TIMEOUT": "0.001"}
+    with ServerHandle(tiny_llama_dir, ["--max-running-requests", "1"], env=env) as server:
+        body = {"text": "Today is ", "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}
+        with ThreadPoolExecutor(2) as pool:
+            results = list(
+                pool.map(lambda _: httpx.post(server.base_url + "/generate", json=body, timeout=120), [0, 1])
+            )
+        errors = [r.json() for r in results if r.json().get("object") == "error"]
+        assert len(errors) == 1 and errors[0]["code"] == 503, [r.text for r in results]
+        assert errors[0]["message"] == "Request waiting timeout reached."
