@@ -327,6 +327,12 @@ class ServerArgs:
             help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's).",
         )
         add(
+            "--enable-custom-logit-processor",
+            action="store_true",
+            help="Accept requests' custom_logit_processor (SGLang's serialized form): the server then "
+            "RUNS PYTHON CODE THAT CLIENTS SEND, with its own rights. Only for trusted clients.",
+        )
+        add(
             "--enable-mixed-chunk",
             action="store_true",
             help="Decode the running requests in the same forward as each prefill batch (or chunk) "

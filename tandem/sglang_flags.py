@@ -133,13 +133,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         _is(None, *REASONING_PARSERS),
     ),
     CompatFlag(
-        "enable_custom_logit_processor",
-        ("--enable-custom-logit-processor",),
-        "custom logit processors (code sent by clients) are not built yet",
-        _OFF,
-        parse=_FLAG,
-    ),
-    CompatFlag(
         "tool_call_parser",
         ("--tool-call-parser",),
         f"the tool-call parsers built are {', '.join(ToolCallParserEnum)}",

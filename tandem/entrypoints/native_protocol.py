@@ -38,6 +38,9 @@ class GenerateReqInput:
     # (SGLang's field; meta_info's input_/output_token_ids_logprobs). Empty means none.
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    # SGLang's serialized custom logit processor (CustomLogitProcessor.to_str()), one for
+    # all prompts or one per prompt; only with --enable-custom-logit-processor.
+    custom_logit_processor: str | list[str | None] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> GenerateReqInput:
@@ -92,7 +95,7 @@ class GenerateReqInput:
                     raise ValueError(f"{name}: must be an integer >= {lo}")
         n = self.batch_size
         self._validate_token_ids_logprob(n)
-        for name in ("sampling_params", "rid", *_PER_PROMPT_LOGPROB_FIELDS):
+        for name in ("sampling_params", "rid", "custom_logit_processor", *_PER_PROMPT_LOGPROB_FIELDS):
             value = getattr(self, name)
             if isinstance(value, list):
                 if not self.is_batch or len(value) != n:
@@ -154,6 +157,7 @@ class GenerateReqInput:
             input_ids=self.input_ids[i] if self.input_ids is not None else None,
             sampling_params=pick(self.sampling_params),
             rid=pick(self.rid),
+            custom_logit_processor=pick(self.custom_logit_processor),
             token_ids_logprob=self.token_ids_for(i),
             **{name: pick(getattr(self, name)) for name in _PER_PROMPT_LOGPROB_FIELDS},
         )
@@ -191,7 +195,6 @@ UNSUPPORTED_GENERATE_FIELDS = MappingProxyType(
         "return_prompt_token_ids": "returning prompt token ids",
         "lora_path": "LoRA",
         "lora_id": "LoRA",
-        "custom_logit_processor": "a custom logit processor",
         "session_params": "session",
         "bootstrap_host": "prefill-decode disaggregation",
         "bootstrap_room": "prefill-decode disaggregation",
@@ -211,7 +214,6 @@ _PER_PROMPT_FLAGS = frozenset(
     {
         "lora_path",
         "lora_id",
-        "custom_logit_processor",
         "return_hidden_states",
         "return_sampling_mask",
         "bootstrap_host",

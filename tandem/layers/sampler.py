@@ -6,8 +6,9 @@ requests without a seed comes from the sampler's generator. A request with
 `sampling_seed` takes its noise from a counter-based hash of (seed, number of tokens
 generated so far, token id) computed as tensor operations, so its tokens do not depend
 on what else shares the batch, nor on the device. Penalties
-(`tandem.sampling.penalties`) adjust a copy of the logits first; the caller's logits
-(from which logprobs are reported) are never modified.
+(`tandem.sampling.penalties`) adjust a copy of the logits first, then the requests'
+custom logit processors (`tandem.sampling.custom_logit_processor`) change their rows of
+it; the caller's logits (from which logprobs are reported) are never modified.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.sampling.custom_logit_processor import CustomLogitBatch
 from tandem.sampling.penalties import PenaltyBatch
 from tandem.sampling.sampling_params import SamplingParams
 
@@ -31,6 +33,8 @@ class SamplingBatchInfo:
     has_seed: torch.Tensor  # [bs] bool
     output_lens: torch.Tensor  # [bs] int64 tokens generated so far, mixed into seeded noise
     penalties: PenaltyBatch | None = None
+    # The rows with a custom logit processor (--enable-custom-logit-processor); None: none.
+    custom: CustomLogitBatch | None = None
 
     @classmethod
     def from_params(
@@ -74,6 +78,8 @@ class Sampler:
         """logits [bs, vocab] float32 -> next token ids [bs] int64."""
         if info.penalties is not None:
             logits = info.penalties.apply(logits)
+        if info.custom is not None:
+            logits = info.custom.apply(logits)
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:
             return greedy_ids

@@ -30,7 +30,6 @@ UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType(
         "choice": "structured output (choice)",
         "beam_width": "beam search",
         "logit_bias": "logit bias",
-        "custom_params": "custom logit processor input",
         "watermark": "watermarking",
         "stream_interval": "a per-request stream interval (use --stream-interval)",
     }
@@ -75,6 +74,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Passed to the request's custom logit processor, one dict per row (SGLang's field;
+    # ignored without a processor).
+    custom_params: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
@@ -178,6 +180,8 @@ class SamplingParams:
         for name in grammars:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"sampling_params.{name}: must be a string")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise ValueError("sampling_params.custom_params: must be an object")
         if len(grammars) > 1:
             raise ValueError(
                 f"sampling_params: only one of regex, json_schema, or ebnf can be set (got {' and '.join(grammars)})"

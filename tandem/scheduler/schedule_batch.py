@@ -25,6 +25,7 @@ from tandem import finish_reason
 from tandem.forward_batch import ForwardBatch, ForwardMode
 from tandem.layers.sampler import SamplingBatchInfo
 from tandem.messages import DetokenizeParams, TokenizedGenerateReqInput
+from tandem.sampling.custom_logit_processor import CustomLogitBatch, ProcessorReq, RequestProcessor
 from tandem.sampling.penalties import PenaltyBatch, PenaltyInput, needs_penalties
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.scheduler.future_map import FutureMap
@@ -81,6 +82,9 @@ class Req:
     # Constrained decoding: the matcher of its grammar (tandem/constrained), set when the
     # grammar has compiled; it has accepted every processed output token.
     grammar: Any = None
+    # Its custom logit processor and params (--enable-custom-logit-processor), deserialized
+    # by this rank's scheduler when the request arrived; kept for its whole life.
+    custom_logit_processor: RequestProcessor | None = None
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
@@ -225,10 +229,29 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             token_ids_logprob=[r.token_ids_logprob for r in self.reqs],
         )
+        # Requests with a custom logit processor: their output ids before this forward.
+        custom = [
+            (i, r, r.pending_tokens, list(r.launched_output_ids()))
+            for i, r in enumerate(self.reqs)
+            if r.custom_logit_processor is not None
+        ]
         for req, n in zip(self.reqs, mwb.forward_batch.extend_lens_cpu):
             req.kv_len += n
             if req.kv_len >= req.seq_len:  # not a chunk of a longer prompt
                 req.pending_tokens += 1
+        if custom:  # only rows that sample a kept token run the processor
+            mwb.sampling_info.custom = CustomLogitBatch.build(
+                [
+                    (
+                        i,
+                        r.rid,
+                        r.custom_logit_processor,
+                        ProcessorReq(r.rid, r.origin_input_ids, ids, r.sampling_params),
+                    )
+                    for i, r, pending, ids in custom
+                    if r.pending_tokens > pending and r.sampling_params.max_new_tokens > 0
+                ]
+            )
         return mwb
 
     def to_forward_batch(self, device: str) -> ForwardBatch:

@@ -37,6 +37,7 @@ from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.messages import AbortReq, TokenizedGenerateReqInput
+from tandem.sampling.custom_logit_processor import ENABLE_FLAG, RequestProcessor
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.scheduler.batch_former import BatchFormer
 from tandem.scheduler.control import SchedulerControl
@@ -275,6 +276,9 @@ class Scheduler:
             self.send_outputs([req])
             return
         req.set_output_limits(min(self.context_len, self.max_total_num_tokens), self.finish_checker.eos_token_ids)
+        if msg.custom_logit_processor is not None and not self._load_custom_logit_processor(req, msg):
+            self.send_outputs([req])
+            return
         if req.sampling_params.grammar_key() is None:
             req.queue_entry_time = time.perf_counter()
             self.batches.waiting_queue.append(req)
@@ -283,6 +287,26 @@ class Scheduler:
             self.send_outputs([req])
         else:
             self.grammar_queue.add(req)
+
+    def _load_custom_logit_processor(self, req: Req, msg: TokenizedGenerateReqInput) -> bool:
+        """Deserialize the request's processor on this rank (every rank runs its own copy
+        of it); False, with the request finished by a 400, when that fails."""
+        if not self.server_args.enable_custom_logit_processor:  # the tokenizer manager refuses these first
+            req.finished_reason = finish_reason.abort(
+                f"custom_logit_processor: the server was not started with {ENABLE_FLAG}", 400
+            )
+            return False
+        try:
+            req.custom_logit_processor = RequestProcessor.build(
+                msg.custom_logit_processor, req.sampling_params.custom_params
+            )
+        except Exception as e:  # noqa: BLE001 - the client's code: only its request fails
+            logger.warning("request %s: its custom logit processor failed to load: %r", req.rid, e)
+            req.finished_reason = finish_reason.abort(
+                f"custom_logit_processor: could not be deserialized: {type(e).__name__}: {e}", 400
+            )
+            return False
+        return True
 
     def move_ready_grammar_requests(self) -> None:
         """Requests whose grammar compiled join the waiting queue; those whose grammar
@@ -365,6 +389,10 @@ class Scheduler:
             self.batches.chunked_req = None
         if prefilling:
             self.kv.cache_unfinished(req)
+        if i in result.failed:  # its custom logit processor raised: its token is not kept
+            logger.warning("request %s: %s", req.rid, result.failed[i])
+            req.finished_reason = finish_reason.abort(result.failed[i], 400)
+            return
         if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. prompt logprobs, /v1/score)
             if req.return_logprob:
                 req.record_output_logprobs(result, i, token_id=None)

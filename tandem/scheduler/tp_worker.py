@@ -33,6 +33,8 @@ class HostBatchResult:
     # (logprob, token_id) of each id of the request's token_ids_logprob (None: none asked).
     next_token_ids_logprobs: list[list[tuple[float, int]] | None]
     input_logprobs: list[InputLogprobs | None]
+    # Rows whose custom logit processor raised -> its error (those requests fail alone).
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,6 +51,8 @@ class GenerationBatchResult:
     token_ids_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per row
     # Recorded after the copies to the host were queued (CUDA); None: already on the host.
     copy_done: torch.cuda.Event | None = None
+    # Rows whose custom logit processor raised -> its error.
+    failed: dict[int, str] = field(default_factory=dict)
 
     def copy_to_host(self) -> None:
         """Queue the device-to-host copies and record `copy_done` (no-op on CPU)."""
@@ -69,7 +73,9 @@ class GenerationBatchResult:
         if self.copy_done is not None:
             self.copy_done.synchronize()
         bs = len(mwb.return_logprob)
-        out = HostBatchResult(self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs, self.input_logprobs)
+        out = HostBatchResult(
+            self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs, self.input_logprobs, self.failed
+        )
         if not self.logprob_rows:
             return out
         chosen = self.token_logprobs.tolist()
@@ -119,6 +125,8 @@ class TpModelWorker:
             logits = mwb.vocab_mask.apply(logits)
         if info.penalties is not None:
             info = dataclasses.replace(info, penalties=info.penalties.resolved(self.future_map.resolve))
+        if info.custom is not None:  # the processors read the output ids so far
+            info.custom.resolve_output_ids(self.future_map.resolve, self.device)
         next_ids = self.model_runner.sample(logits, info)
         self.future_map.store(mwb.forward_batch.req_pool_indices, next_ids)
         return next_ids
@@ -126,6 +134,8 @@ class TpModelWorker:
     @staticmethod
     def _result(mwb: ModelWorkerBatch, out: LogitsProcessorOutput, next_ids: torch.Tensor) -> GenerationBatchResult:
         result = GenerationBatchResult(next_token_ids=next_ids, input_logprobs=out.input_logprobs)
+        if mwb.sampling_info.custom is not None:
+            result.failed = mwb.sampling_info.custom.failed
         rows = [i for i, wanted in enumerate(mwb.return_logprob) if wanted]
         if rows:
             logits = out.next_token_logits

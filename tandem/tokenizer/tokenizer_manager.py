@@ -56,6 +56,7 @@ from tandem.messages import (
 )
 from tandem.metrics.collector import TokenizerMetricsCollector
 from tandem.metrics.request_logger import RequestLogger
+from tandem.sampling import custom_logit_processor
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.tokenizer.multi_tokenizer import rid_prefix
@@ -329,6 +330,13 @@ class TokenizerManager:
                 "sampling_params.stop: stop strings need a tokenizer; this server runs with "
                 "--skip-tokenizer-init (use stop_token_ids)"
             )
+        if obj.custom_logit_processor:
+            if not self.server_args.enable_custom_logit_processor:  # SGLang's words
+                raise ValueError(
+                    "custom_logit_processor: The server is not configured to enable custom logit processor. "
+                    f"Please set `{custom_logit_processor.ENABLE_FLAG}` to enable this feature."
+                )
+            custom_logit_processor.check_format(obj.custom_logit_processor)
         if obj.logprob_start_len >= len(input_ids):
             raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
         if obj.top_logprobs_num > self.vocab_size:
@@ -349,6 +357,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None,
+            custom_logit_processor=obj.custom_logit_processor or None,
         )
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:

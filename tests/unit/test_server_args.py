@@ -142,12 +142,12 @@ def test_parallelism_refused(argv, flag):
     assert str(e.value).startswith(flag)
 
 
-def test_custom_logit_processor_flag_names_the_missing_feature():
-    """SGLang's test_srt_endpoint starts its server with --enable-custom-logit-processor:
-    the start must stop naming the flag, not with argparse's "unrecognized arguments"."""
+def test_custom_logit_processor_flag_is_off_by_default():
+    """SGLang's test_srt_endpoint starts its server with --enable-custom-logit-processor."""
+    assert _parse().enable_custom_logit_processor is False
     args = _parse("--enable-custom-logit-processor")
-    with pytest.raises(ValueError, match="^--enable-custom-logit-processor .*not built"):
-        args.validate()
+    assert args.enable_custom_logit_processor is True
+    args.validate()
 
 
 def test_overlap_loop_default_follows_the_device():

@@ -90,6 +90,8 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int) -> dict[str, Any]
             params[name] = value
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
+    if req.custom_params:
+        params["custom_params"] = req.custom_params
     grammars = req.grammar_fields()
     if len(grammars) > 1:
         names = list(grammars)

@@ -63,6 +63,10 @@ class _SamplingFields(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None  # SGLang's extension: stop on a regex match
+    # SGLang extras (extra_body): a serialized custom logit processor
+    # (CustomLogitProcessor.to_str(); --enable-custom-logit-processor) and its params.
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored, as OpenAI only logs it

@@ -162,7 +162,10 @@ def build_chat_generate_input(
 ) -> GenerateReqInput:
     """The native request for a chat request whose prompt is `input_ids`."""
     obj = GenerateReqInput(
-        input_ids=list(input_ids), sampling_params=sampling_params(req, max_new_tokens), stream=bool(req.stream)
+        input_ids=list(input_ids),
+        sampling_params=sampling_params(req, max_new_tokens),
+        stream=bool(req.stream),
+        custom_logit_processor=req.custom_logit_processor,
     )
     if req.logprobs:
         obj.return_logprob = True
