@@ -127,6 +127,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
     ) -> Output | Iterator[dict[str, Any]]:
         """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
         an iterator of chunks (with several outputs, each chunk carries its output's "index":
@@ -142,6 +143,7 @@ class Engine:
             stream,
             rid,
             token_ids_logprob,
+            custom_logit_processor,
         )
         if stream:
             return self._sync_stream(obj)
@@ -159,6 +161,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        custom_logit_processor: str | list[str | None] | None = None,
     ) -> Output | AsyncIterator[dict[str, Any]]:
         """The asyncio twin of `generate`, usable from any event loop."""
         obj = self._request(
@@ -172,6 +175,7 @@ class Engine:
             stream,
             rid,
             token_ids_logprob,
+            custom_logit_processor,
         )
         if stream:
             return self._async_stream(obj)
@@ -281,6 +285,7 @@ class Engine:
         stream,
         rid,
         token_ids_logprob,
+        custom_logit_processor=None,
     ) -> GenerateReqInput:
         obj = GenerateReqInput(
             text=prompt,
@@ -293,6 +298,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs,
             token_ids_logprob=token_ids_logprob,
+            custom_logit_processor=custom_logit_processor,
         )
         obj.validate_shape()
         return obj

@@ -193,3 +193,14 @@ def test_two_tp_ranks_give_the_same_tokens(tiny_llama_dir, normal_server, proces
         r = _generate(tp2.base_url, processors["raising"], {})
         assert r.status_code == 400 and "boom" in r.text
         assert _ids(_generate(tp2.base_url, processors["force"], {"token_id": 3})) == [3] * 12
+
+
+def test_offline_engine_takes_the_processor(tiny_llama_dir, processors):
+    from tandem import Engine
+
+    with Engine(model_path=str(tiny_llama_dir), enable_custom_logit_processor=True, skip_server_warmup=True) as eng:
+        params = {"temperature": 0, "max_new_tokens": 5, "custom_params": {"token_id": 8}}
+        out = eng.generate(PROMPT, params, custom_logit_processor=processors["force"])
+        assert out["output_ids"] == [8] * 5
+        outs = eng.generate([PROMPT, PROMPT], params, custom_logit_processor=[processors["force"], None])
+        assert outs[0]["output_ids"] == [8] * 5 and outs[1]["output_ids"] != [8] * 5
