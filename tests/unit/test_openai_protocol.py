@@ -517,7 +517,8 @@ def test_fake_errors(fake_app):
     ]
     # SGLang's wording for budgets, which names no field.
     worded = [
-        ({**body, "max_tokens": 10_000}, "max_tokens", "Requested token count exceeds"),
+        ({**body, "max_tokens": 10_000}, "max_tokens", "max_completion_tokens is too large: 10000"),
+        ({**body, "max_tokens": 63}, "max_tokens", "Requested token count exceeds"),
         ({**body, "messages": [{"role": "user", "content": "x" * 400}]}, "messages", "is longer than"),
     ]
     for payload, param, text in [(p, q, q.split(".")[0]) for p, q in cases] + worded:

@@ -123,7 +123,7 @@ def test_mixed_chunk_keeps_outputs_and_logprobs(tiny_llama_dir, tokenized, loop,
     monkeypatch.setattr(
         TorchNativeAttnBackend,
         "_forward_mixed",
-        lambda self, *args: mixed_attention_calls.append(args[0]) or split(self, *args),
+        lambda self, *args, **kwargs: mixed_attention_calls.append(args[0]) or split(self, *args, **kwargs),
     )
     logprobs = {"return_logprob": True, "logprob_start_len": 0}
     ref = open_harness(tiny_llama_dir, loop)
