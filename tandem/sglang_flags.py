@@ -178,8 +178,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         "grammar_backend",
         ("--grammar-backend",),
-        "only the xgrammar backend is built (or none: structured output refused)",
-        _is("xgrammar", "none"),
+        "the grammar backends are xgrammar, llguidance, outlines (or none: structured output refused)",
+        _is("xgrammar", "llguidance", "outlines", "none"),
     ),
     CompatFlag("base_gpu_id", ("--base-gpu-id",), "the first GPU id must be at least 0", _at_least(0), parse=_INT),
     CompatFlag(

@@ -1,5 +1,6 @@
 """What a request constrains its output to, and the check the TokenizerManager runs
-before sending it: a grammar that does not parse is a 400 naming the problem.
+before sending it (in the server's `--grammar-backend`): a grammar that does not parse
+is a 400 naming the problem.
 
 A `GrammarKey` is `(kind, value)`: kind is one of GRAMMAR_KINDS (SGLang's sampling
 parameter names), value the string the client sent. The scheduler's compile cache is
@@ -18,9 +19,13 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+def one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
 def xgrammar_error(exc: Exception) -> str:
     """The message of an xgrammar error without its C++ prefix, on one line."""
-    return " ".join(_NOISE.sub("", str(exc)).split())
+    return one_line(_NOISE.sub("", str(exc)))
 
 
 def parse_grammar(key: GrammarKey, any_whitespace: bool = True) -> xgrammar.Grammar:
@@ -38,8 +43,9 @@ def parse_grammar(key: GrammarKey, any_whitespace: bool = True) -> xgrammar.Gram
 
 def verify_grammar(key: GrammarKey, grammar_backend: str, has_tokenizer: bool, any_whitespace: bool) -> None:
     """The TokenizerManager's check of a constrained request, before anything is sent:
-    ValueError (a 400) naming the field when this server cannot constrain it or the
-    grammar does not parse. The scheduler compiles it again against the vocabulary."""
+    ValueError (a 400) naming the field when this server cannot constrain it (the
+    backend lacks the kind: named) or the grammar does not parse, in the backend's own
+    parser. The scheduler compiles it again against the vocabulary."""
     kind = key[0]
     if grammar_backend == "none":
         raise ValueError(
@@ -50,4 +56,13 @@ def verify_grammar(key: GrammarKey, grammar_backend: str, has_tokenizer: bool, a
             f"sampling_params.{kind}: structured output needs the tokenizer; this server runs "
             "with --skip-tokenizer-init"
         )
-    parse_grammar(key, any_whitespace)
+    if grammar_backend == "llguidance":
+        from tandem.constrained.llguidance_backend import check_llguidance_grammar
+
+        check_llguidance_grammar(key, any_whitespace)
+    elif grammar_backend == "outlines":
+        from tandem.constrained.outlines_backend import check_outlines_grammar
+
+        check_outlines_grammar(key, any_whitespace)
+    else:
+        parse_grammar(key, any_whitespace)

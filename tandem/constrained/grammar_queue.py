@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem import finish_reason
-from tandem.constrained.xgrammar_backend import Grammar, XGrammarBackend
+from tandem.constrained.backend import GrammarBackend
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -34,7 +34,7 @@ class _Entry:
 
 
 class GrammarQueue:
-    def __init__(self, backend: XGrammarBackend, timeout_s: float = DEFAULT_TIMEOUT_S, blocking: bool = False):
+    def __init__(self, backend: GrammarBackend | None, timeout_s: float = DEFAULT_TIMEOUT_S, blocking: bool = False):
         self.backend = backend
         self.timeout_s = timeout_s
         self.blocking = blocking
@@ -63,7 +63,7 @@ class GrammarQueue:
             if entry.future.done():
                 exc = entry.future.exception()
                 if exc is None:
-                    entry.req.grammar = Grammar(entry.future.result())
+                    entry.req.grammar = self.backend.make_grammar(entry.future.result())
                     ready.append(entry.req)
                 else:
                     entry.req.finished_reason = finish_reason.abort(str(exc), 400)

@@ -1,28 +1,23 @@
-"""The scheduler's grammar backend on xgrammar: compiles grammars on a thread pool into
-a cache keyed by `GrammarKey`, makes one matcher per request, and fills a batch's mask.
+"""The grammar backend on xgrammar (`--grammar-backend xgrammar`, the default):
+`json_schema`, `regex`, `ebnf`, compiled against the vocabulary on the shared compile
+pool (tandem/constrained/backend.py); a batch's rows filled in one batched call.
 
 Compiling takes milliseconds for a typical JSON schema on the tiny vocabularies and more
-for large ones; it runs on `compile_threads` background threads so that a batch never
-waits for it (the request waits in the scheduler's `GrammarQueue` instead). The cache
-holds the futures, so a grammar compiles once however many requests (or samples of
-`n > 1`) use it; a grammar that failed stays failed.
+for large ones.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 import xgrammar
 
+from tandem.constrained.backend import CACHE_SIZE, GrammarBackend
 from tandem.constrained.grammar_key import GrammarKey, parse_grammar
-from tandem.constrained.vocab_mask import VocabMask
 
 logger = logging.getLogger(__name__)
-
-# Compiled grammars kept (least recently used dropped first).
-CACHE_SIZE = 1024
+__all__ = ["CACHE_SIZE", "Grammar", "XGrammarBackend"]
 
 
 class Grammar:
@@ -41,8 +36,13 @@ class Grammar:
         """The grammar is complete and a stop token was accepted."""
         return self.matcher.is_terminated()
 
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
 
-class XGrammarBackend:
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
     def __init__(
         self,
         tokenizer,
@@ -56,38 +56,16 @@ class XGrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=max(vocab_size, len(tokenizer)), stop_token_ids=sorted(stop_token_ids)
         )
-        self.vocab_size = info.vocab_size
+        super().__init__(info.vocab_size, compile_threads)
         self.any_whitespace = any_whitespace
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
-        self._cache: collections.OrderedDict[GrammarKey, Future] = collections.OrderedDict()
         self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=1)
-
-    def compile(self, key: GrammarKey) -> Future[xgrammar.CompiledGrammar]:
-        """The compiled grammar of `key`, from the cache or compiled in the background.
-        The future's exception is a ValueError naming the problem."""
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, key)
-            self._cache[key] = future
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return future
 
     def _compile(self, key: GrammarKey) -> xgrammar.CompiledGrammar:
         return self._compiler.compile_grammar(parse_grammar(key, self.any_whitespace))
 
-    def fill_vocab_mask(self, mask: VocabMask, grammars: list[Grammar | None]) -> None:
-        """Fill the rows of `mask` whose request has a grammar (the others allow every
-        token), in one batched call, and mark it ready for the sampler."""
-        try:
-            rows = [i for i, g in enumerate(grammars) if g is not None]
-            if rows:
-                self._batch_matcher.batch_fill_next_token_bitmask(
-                    [grammars[i].matcher for i in rows], mask.bitmask, rows
-                )
-            mask.rows = rows
-        finally:
-            mask.set_ready()  # never leave the sampler waiting, even on an error
+    def make_grammar(self, compiled: xgrammar.CompiledGrammar) -> Grammar:
+        return Grammar(compiled)
+
+    def _fill_rows(self, bitmask: torch.Tensor, grammars: list, rows: list[int]) -> None:
+        self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)

@@ -31,8 +31,8 @@ import traceback
 from typing import Any
 
 from tandem import finish_reason
+from tandem.constrained.backend import create_grammar_backend
 from tandem.constrained.grammar_queue import GrammarQueue
-from tandem.constrained.xgrammar_backend import XGrammarBackend
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.radix_cache import RadixCache
 from tandem.mem_cache.req_kv import ReqKVManager
@@ -105,14 +105,13 @@ class Scheduler:
             self.tokenizer, get_eos_token_ids(runner.config, self.tokenizer, server_args.model_path)
         )
         # Constrained decoding: requests wait in the grammar queue until their grammar compiled.
-        self.grammar_backend = None
-        if server_args.grammar_backend == "xgrammar" and self.tokenizer is not None:
-            self.grammar_backend = XGrammarBackend(
-                self.tokenizer,
-                runner.vocab_size,
-                sorted(self.finish_checker.eos_token_ids),
-                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
-            )
+        self.grammar_backend = create_grammar_backend(
+            server_args.grammar_backend,
+            self.tokenizer,
+            runner.vocab_size,
+            sorted(self.finish_checker.eos_token_ids),
+            any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+        )
         self.grammar_queue = GrammarQueue(self.grammar_backend, blocking=server_args.tp_size > 1)
 
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache

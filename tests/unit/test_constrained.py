@@ -3,7 +3,8 @@ cache, then a real Scheduler on the random-weight tiny model (scheduler_harness)
 no output would match a grammar by chance. Every output of a fixed, varied set of JSON
 schemas and regexes fully matches, greedy and seeded-sampled, with the overlap loop and
 the normal loop giving the same tokens, under chunked prefill, mixed chunks, penalties,
-several samples of one grammar, retraction and without the radix cache."""
+several samples of one grammar, retraction and without the radix cache; on each grammar
+backend (xgrammar, llguidance, outlines: outlines has no EBNF)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from scheduler_harness import SchedulerHarness, loop_configurations
 from test_overlap_schedule import assert_same, prompts, run
 
+from tandem.constrained.backend import create_grammar_backend
 from tandem.constrained.grammar_key import parse_grammar, verify_grammar
-from tandem.constrained.xgrammar_backend import XGrammarBackend
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.utils.tokenizer import load_tokenizer
 
@@ -69,14 +70,36 @@ REGEXES = [
 ]
 EBNF = 'root ::= "(" item ("," item){0,2} ")"\nitem ::= [a-c] | "x" [0-9]'
 SERVER_ARGS = {"constrained_json_disable_any_whitespace": True}
+BACKENDS = ["xgrammar", "llguidance", "outlines"]
 
 
-def constrained_workload() -> list[tuple[str, list[int], dict]]:
-    """(rid, prompt, fields): every schema and regex greedy and seeded-sampled, an EBNF,
-    three samples of one schema, penalties, logprobs."""
+def _backend_configurations():
+    """Every loop configuration on xgrammar; the defaults and retraction on the others."""
+    params = []
+    for backend in BACKENDS:
+        for config in loop_configurations(small_pool_tokens=120):
+            if backend == "xgrammar" or config.id in ("default", "small-pool"):
+                params.append(pytest.param(backend, config.values[0], id=f"{backend}-{config.id}"))
+    return params
+
+
+def without_numeric_bounds(node):
+    """A schema without the numeric bounds that outlines refuses."""
+    if isinstance(node, list):
+        return [without_numeric_bounds(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: without_numeric_bounds(v) for k, v in node.items() if k not in ("minimum", "maximum")}
+
+
+def constrained_workload(backend: str = "xgrammar") -> list[tuple[str, list[int], dict]]:
+    """(rid, prompt, fields): every schema and regex greedy and seeded-sampled, an EBNF
+    (where the backend has EBNF), three samples of one schema, penalties, logprobs.
+    Outlines gets the schemas without their numeric bounds (it refuses them)."""
     p = prompts(30, seed=5)
     reqs = []
-    for i, schema in enumerate(SCHEMAS):
+    schemas = [without_numeric_bounds(s) for s in SCHEMAS] if backend == "outlines" else SCHEMAS
+    for i, schema in enumerate(schemas):
         reqs.append((f"json-{i}", p[i], {"json_schema": json.dumps(schema)}))
         reqs.append(
             (
@@ -90,9 +113,10 @@ def constrained_workload() -> list[tuple[str, list[int], dict]]:
         reqs.append(
             (f"regex-{i}-sampled", p[15 + i], {"regex": regex, "temperature": 0.9, "top_k": 50, "sampling_seed": 3 + i})
         )
-    reqs.append(("ebnf", p[20], {"ebnf": EBNF, "temperature": 1.0, "sampling_seed": 1}))
+    if backend != "outlines":
+        reqs.append(("ebnf", p[20], {"ebnf": EBNF, "temperature": 1.0, "sampling_seed": 1}))
     reqs += [
-        (f"n-{k}", p[21], {"json_schema": json.dumps(SCHEMAS[1]), "temperature": 1.0, "sampling_seed": 40 + k})
+        (f"n-{k}", p[21], {"json_schema": json.dumps(schemas[1]), "temperature": 1.0, "sampling_seed": 40 + k})
         for k in range(3)
     ]
     reqs.append(
@@ -100,7 +124,7 @@ def constrained_workload() -> list[tuple[str, list[int], dict]]:
             "penalties",
             p[22],
             {
-                "json_schema": json.dumps(SCHEMAS[2]),
+                "json_schema": json.dumps(schemas[2]),
                 "temperature": 0.8,
                 "sampling_seed": 9,
                 "frequency_penalty": 1.0,
@@ -113,7 +137,7 @@ def constrained_workload() -> list[tuple[str, list[int], dict]]:
         (
             "logprobs",
             p[23],
-            {"json_schema": json.dumps(SCHEMAS[0]), "logprobs": {"return_logprob": True, "top_logprobs_num": 3}},
+            {"json_schema": json.dumps(schemas[0]), "logprobs": {"return_logprob": True, "top_logprobs_num": 3}},
         )
     )
     reqs.append(("plain", p[24], {"max_new_tokens": 20}))
@@ -135,11 +159,11 @@ def assert_all_match(h: SchedulerHarness, reqs) -> None:
             assert re.fullmatch(r"\((?:[a-c]|x\d)(?:,(?:[a-c]|x\d)){0,2}\)", text), text
 
 
-@pytest.mark.parametrize("server_args", loop_configurations(small_pool_tokens=120))
-def test_outputs_match_their_grammar_in_both_loops(tiny_llama_dir, server_args):
-    reqs = constrained_workload()
-    normal = run(tiny_llama_dir, False, reqs, **SERVER_ARGS, **server_args)
-    overlap = run(tiny_llama_dir, True, reqs, **SERVER_ARGS, **server_args)
+@pytest.mark.parametrize(("backend", "server_args"), _backend_configurations())
+def test_outputs_match_their_grammar_in_both_loops(tiny_llama_dir, backend, server_args):
+    reqs = constrained_workload(backend)
+    normal = run(tiny_llama_dir, False, reqs, grammar_backend=backend, **SERVER_ARGS, **server_args)
+    overlap = run(tiny_llama_dir, True, reqs, grammar_backend=backend, **SERVER_ARGS, **server_args)
     assert_all_match(normal, reqs)
     assert_same(normal, overlap)
     if "max_total_tokens" in server_args:
@@ -164,22 +188,24 @@ def test_logprobs_are_of_the_raw_distribution(tiny_llama_dir):
     assert all(lp <= 0 for lp, _ in top_logprobs[0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fields", [{"ignore_eos": True}, {"min_new_tokens": 8, "ignore_eos": False}])
-def test_grammar_end_finishes_with_stop(tiny_llama_dir, fields):
+def test_grammar_end_finishes_with_stop(tiny_llama_dir, fields, backend):
     """The grammar's end (its EOS accepted) finishes the request, even with ignore_eos or
     before min_new_tokens (which never bans the EOS a grammar needs)."""
     reqs = [("r", prompts(1)[0], {"regex": "ab", "max_new_tokens": 50, **fields})]
-    h = run(tiny_llama_dir, True, reqs, **SERVER_ARGS)
+    h = run(tiny_llama_dir, True, reqs, grammar_backend=backend, **SERVER_ARGS)
     eos = sorted(h.scheduler.finish_checker.eos_token_ids)
     assert h.collected.finishes["r"] == {"type": "stop", "matched": h.collected.ids["r"][-1]}
     assert h.collected.ids["r"][-1] in eos
     assert h.scheduler.tokenizer.decode(h.collected.ids["r"][:-1]) == "ab"
 
 
-def test_bad_grammar_in_the_scheduler_is_a_400(tiny_llama_dir):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_grammar_in_the_scheduler_is_a_400(tiny_llama_dir, backend):
     """A grammar that reaches the scheduler unchecked (the tokenizer manager checks first)
     ends its request alone with a 400 naming the problem; a queued one can be aborted."""
-    h = SchedulerHarness(tiny_llama_dir)
+    h = SchedulerHarness(tiny_llama_dir, grammar_backend=backend)
     try:
         h.submit("bad", regex="[a-")
         h.submit("good", regex="x{3}", ignore_eos=False, max_new_tokens=10)
@@ -188,7 +214,8 @@ def test_bad_grammar_in_the_scheduler_is_a_400(tiny_llama_dir):
         h.run_until_idle()
         bad = h.collected.finishes["bad"]
         assert bad["type"] == "abort" and bad["status_code"] == 400
-        assert bad["message"].startswith("sampling_params.regex: invalid regex: ") and "'['" in bad["message"]
+        assert bad["message"].startswith("sampling_params.regex: invalid regex: "), bad
+        assert backend != "xgrammar" or "'['" in bad["message"]
         assert h.collected.finishes["aborted"]["type"] == "abort"
         assert h.scheduler.tokenizer.decode(h.collected.ids["good"], skip_special_tokens=True) == "xxx"
         h.assert_memory_idle()
@@ -196,13 +223,14 @@ def test_bad_grammar_in_the_scheduler_is_a_400(tiny_llama_dir):
         h.close()
 
 
-def test_compile_cache_is_keyed_by_kind_and_value(tiny_llama_dir):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_compile_cache_is_keyed_by_kind_and_value(tiny_llama_dir, name):
     tok = load_tokenizer(str(tiny_llama_dir))
-    backend = XGrammarBackend(tok, len(tok) + 64, [tok.eos_token_id])  # a padded model vocabulary
-    assert backend.vocab_size == len(tok) + 64
+    backend = create_grammar_backend(name, tok, len(tok) + 64, [tok.eos_token_id])  # a padded model vocabulary
+    assert backend.name == name and backend.vocab_size == len(tok) + 64
     a = backend.compile(("regex", "a+"))
     assert backend.compile(("regex", "a+")) is a
-    assert backend.compile(("ebnf", 'root ::= "a"')) is not a
+    assert backend.compile(("json_schema", "a+")) is not a
     a.result(timeout=30)
     with pytest.raises(ValueError, match="sampling_params.json_schema: invalid json_schema"):
         backend.compile(("json_schema", "{nope")).result(timeout=30)
@@ -225,6 +253,36 @@ def test_invalid_grammars_name_the_problem(key, message):
         parse_grammar(key)
     assert str(e.value).startswith(message), str(e.value)
     assert "/project/" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "backend,key,message",
+    [
+        ("llguidance", ("json_schema", '{"type": "foo"}'), "sampling_params.json_schema: invalid json_schema: "),
+        ("llguidance", ("json_schema", "{not json"), "sampling_params.json_schema: invalid json_schema: "),
+        ("llguidance", ("regex", "(ab"), "sampling_params.regex: invalid regex: "),
+        ("llguidance", ("ebnf", 'root ::= "a" ('), "sampling_params.ebnf: invalid ebnf: "),
+        ("outlines", ("json_schema", '{"type": "foo"}'), "sampling_params.json_schema: invalid json_schema: "),
+        ("outlines", ("json_schema", "{not json"), "sampling_params.json_schema: invalid json_schema: "),
+        ("outlines", ("regex", "(ab"), "sampling_params.regex: invalid regex: "),
+        ("outlines", ("ebnf", 'root ::= "a"'), "sampling_params.ebnf: the outlines grammar backend"),
+        (
+            "outlines",
+            ("json_schema", json.dumps(SCHEMAS[2])),
+            "sampling_params.json_schema: the outlines grammar backend (--grammar-backend outlines) does not "
+            "honour 'minimum'",
+        ),
+    ],
+)
+def test_each_backend_checks_grammars_with_its_own_parser(backend, key, message):
+    with pytest.raises(ValueError) as e:
+        verify_grammar(key, backend, True, True)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+    for good in [("regex", "a+"), ("json_schema", '{"type": "string"}')]:
+        verify_grammar(good, backend, True, True)
+    if backend != "outlines":
+        verify_grammar(("ebnf", 'root ::= "a"'), backend, True, True)
 
 
 def test_grammar_backend_none_and_no_tokenizer_refuse():

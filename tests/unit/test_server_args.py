@@ -34,7 +34,7 @@ SET_VALUES = {
     "tokenizer_mode": ["slow"],
     "torch_compile_max_bs": ["8"],
     "base_gpu_id": ["-1"],
-    "grammar_backend": ["outlines"],
+    "grammar_backend": ["guidance"],
     "sampling_backend": ["flashinfer"],
     "decode_log_interval": ["10"],
 }

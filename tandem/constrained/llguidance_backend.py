@@ -1,0 +1,95 @@
+"""The grammar backend on llguidance (`--grammar-backend llguidance`): `json_schema`
+(llguidance's JSON compiler), `regex`, `ebnf` (GBNF, as xgrammar reads it, converted to
+Lark by llguidance). A grammar compiles once into a matcher that each request copies;
+a batch's rows are filled in one parallel call (`fill_next_token_bitmask_par`)."""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from tandem.constrained.backend import GrammarBackend
+from tandem.constrained.grammar_key import GrammarKey, one_line
+
+_FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
+
+
+def llguidance_grammar(key: GrammarKey, any_whitespace: bool = True) -> str:
+    """The llguidance grammar of `key`, unchecked; ValueError naming the field when it
+    does not even parse as its kind (a JSON schema that is not JSON, ...)."""
+    kind, value = key
+    try:
+        if kind == "json_schema":
+            options = None if any_whitespace else {"whitespace_flexible": False}
+            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=options)
+        return llguidance.grammar_from(_FORMATS[kind], value)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise ValueError(f"sampling_params.{kind}: invalid {kind}: {one_line(str(e))}") from e
+
+
+def check_llguidance_grammar(key: GrammarKey, any_whitespace: bool = True, tokenizer=None) -> str:
+    """The grammar of `key` checked (with `tokenizer`, against its vocabulary too);
+    ValueError naming the field and the problem."""
+    grammar = llguidance_grammar(key, any_whitespace)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        kind = key[0]
+        raise ValueError(f"sampling_params.{kind}: invalid {kind}: {one_line(error)}")
+    return grammar
+
+
+class LLGuidanceGrammar:
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]):
+        self.matcher = matcher
+        self._stop = stop_token_ids
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
+        if token_id in self._stop:
+            self._terminated = True
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = True,
+        compile_threads: int = 1,
+    ):
+        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
+        (padded vocabularies): the ids past the tokenizer's are never allowed."""
+        super().__init__(max(vocab_size, len(tokenizer)), compile_threads)
+        self.any_whitespace = any_whitespace
+        self._stop = frozenset(stop_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=self.vocab_size, eos_token=sorted(stop_token_ids)
+        )
+        self._executor = llguidance.LLExecutor(num_threads=1)
+
+    def _compile(self, key: GrammarKey) -> llguidance.LLMatcher:
+        grammar = check_llguidance_grammar(key, self.any_whitespace, self._tokenizer)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            kind = key[0]
+            raise ValueError(f"sampling_params.{kind}: invalid {kind}: {one_line(matcher.get_error())}")
+        return matcher
+
+    def make_grammar(self, compiled: llguidance.LLMatcher) -> LLGuidanceGrammar:
+        return LLGuidanceGrammar(compiled.deep_copy(), self._stop)
+
+    def _fill_rows(self, bitmask: torch.Tensor, grammars: list, rows: list[int]) -> None:
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(grammars[i].matcher, i) for i in rows], bitmask)
