@@ -52,6 +52,8 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     # Token ids whose logprobs are returned at every position (None: not asked for).
     token_ids_logprob: list[int] | None = None
+    # SGLang's request priority (--enable-priority-scheduling; None: the lowest).
+    priority: int | None = None
     # SGLang's serialized custom logit processor (CustomLogitProcessor.to_str()); each
     # rank's scheduler deserializes it (--enable-custom-logit-processor).
     custom_logit_processor: str | None = None

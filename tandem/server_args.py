@@ -51,6 +51,12 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
     max_queued_requests: int | None = None
+    # SGLang's priority scheduling: requests' `priority` orders the waiting queue (larger
+    # first, or smaller with schedule_low_priority_values_first) and preempts running
+    # requests less preferred by more than the threshold.
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     api_key: str | None = None
     max_request_body_bytes: int = 32 * 1024 * 1024
     chat_template: str | None = None
@@ -154,6 +160,10 @@ class ServerArgs:
             raise ValueError("--cuda-graph-bs: batch sizes must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
+        if self.enable_priority_scheduling and self.schedule_policy != "fcfs":
+            raise ValueError("--enable-priority-scheduling: needs --schedule-policy fcfs (as SGLang: fcfs or lof)")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError("--priority-scheduling-preemption-threshold: must be >= 0")
         for name in (
             "context_length",
             "max_running_requests",
@@ -303,6 +313,23 @@ class ServerArgs:
             type=int,
             default=None,
             help="Reject new requests with HTTP 503 while this many are waiting.",
+        )
+        add(
+            "--enable-priority-scheduling",
+            action="store_true",
+            help="Order waiting requests by their `priority` (then arrival) and preempt running "
+            "requests of a lower one; a request without one has the lowest.",
+        )
+        add(
+            "--schedule-low-priority-values-first",
+            action="store_true",
+            help="With --enable-priority-scheduling: smaller priority values go first (default: larger).",
+        )
+        add(
+            "--priority-scheduling-preemption-threshold",
+            type=int,
+            default=10,
+            help="Preempt a running request only for a waiting one whose priority is better by more than this.",
         )
         add(
             "--skip-tokenizer-init",

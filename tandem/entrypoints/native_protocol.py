@@ -38,6 +38,9 @@ class GenerateReqInput:
     # (SGLang's field; meta_info's input_/output_token_ids_logprobs). Empty means none.
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    # SGLang's priority (--enable-priority-scheduling orders and preempts by it; ignored
+    # otherwise): one integer for the whole request.
+    priority: int | None = None
     # SGLang's serialized custom logit processor (CustomLogitProcessor.to_str()), one for
     # all prompts or one per prompt; only with --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
@@ -86,6 +89,10 @@ class GenerateReqInput:
         for name in ("stream", "return_text_in_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean")
+        if self.priority is not None and (
+            isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) >= 2**63
+        ):
+            raise ValueError("priority: must be an integer")
         for value in _as_list(self.return_logprob):
             if not isinstance(value, bool):
                 raise ValueError("return_logprob: must be a boolean")

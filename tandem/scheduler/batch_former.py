@@ -10,6 +10,12 @@ Memory: admission (`schedule_policy.PrefillAdder`) reserves an estimate of the K
 admitted requests will still need. When a decode step finds no free slot anyway, the
 running requests that lose least are retracted: their KV is released (into the prefix
 cache) and they return to the front of the queue with their outputs kept, to resume.
+
+Priority (--enable-priority-scheduling, SGLang's semantics): the queue is ordered by
+priority; when its most preferred request does not fit (running slots or KV), running
+requests it outranks by more than the preemption threshold are preempted, least
+preferred (then newest) first, only if together they make room: each is retracted as
+above (outputs kept, it resumes when admitted again).
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from collections.abc import Callable
 from tandem.forward_batch import ForwardMode
 from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.scheduler.schedule_batch import Req, ScheduleBatch
-from tandem.scheduler.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
+from tandem.scheduler.schedule_policy import (
+    NewTokenRatio,
+    PrefillAdder,
+    PriorityOrder,
+    SchedulePolicy,
+    expected_future_tokens,
+)
 from tandem.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -30,7 +42,14 @@ logger = logging.getLogger(__name__)
 class BatchFormer:
     def __init__(self, server_args: ServerArgs, kv: ReqKVManager, max_running_requests: int):
         self.kv = kv
-        self.policy = SchedulePolicy(server_args.schedule_policy, kv)
+        self.priority = (
+            PriorityOrder(
+                server_args.schedule_low_priority_values_first, server_args.priority_scheduling_preemption_threshold
+            )
+            if server_args.enable_priority_scheduling
+            else None
+        )
+        self.policy = SchedulePolicy(server_args.schedule_policy, kv, self.priority)
         self.new_token_ratio = NewTokenRatio()
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = server_args.max_prefill_tokens
@@ -47,6 +66,8 @@ class BatchFormer:
         requests (a weight update is pending); `make_room` processes the result in flight,
         if any (True), which may free KV before a decode step retracts a request."""
         decode_due = self.last_batch_was_chunk and self.running
+        if not decode_due and admit and self.priority is not None:
+            self.preempt_for_priority(make_room)
         prefill = None if decode_due else self.get_new_prefill_batch(admit)
         self.last_batch_was_chunk = False
         if prefill is not None:
@@ -111,6 +132,64 @@ class BatchFormer:
                 self.retract_one()
         return None
 
+    def preempt_for_priority(self, make_room: Callable[[], bool]) -> None:
+        """Retract running requests for the most preferred waiting request when it does
+        not fit and they are enough to make room (SGLang's preempt_to_schedule)."""
+        if self.chunked_req is not None or not self.waiting_queue or not self.running:
+            return
+        head = min(self.waiting_queue, key=self.priority.key)
+        if not self._victims_for(head, settled=False):
+            return
+        make_room()  # every result processed first: a request with one in flight is not retracted
+        chosen = self._victims_for(head, settled=True)
+        for victim in chosen:
+            self._retract(victim)
+            logger.info(
+                "preempted request %s (priority %s, %d outputs) for request %s (priority %s)",
+                victim.rid,
+                victim.priority,
+                len(victim.output_ids),
+                head.rid,
+                head.priority,
+            )
+
+    def _victims_for(self, head: Req, settled: bool) -> list[Req]:
+        """The running requests to retract so that `head` fits; [] when it fits already
+        or when those it outranks by more than the threshold are not enough. `settled`:
+        only requests with no result in flight count."""
+        ratio = self.new_token_ratio.value
+        cached = self.kv.tree_cache.match_prefix(head.seq_ids[: head.seq_len - 1]).slots.numel()
+        need = head.seq_len - max(cached, head.kv_len) + expected_future_tokens(head, ratio)
+        running = [r for r in self.running if not r.finished()]
+        free = self.kv.available_size() - sum(expected_future_tokens(r, ratio) for r in running)
+        slots = self.max_running_requests - len(running)
+        rows = self.kv.req_to_token_pool.available_size()
+        if need <= free and slots > 0 and rows > 0:
+            return []
+        eligible = sorted(
+            (r for r in running if (r.pending_tokens == 0 or not settled) and self.priority.preempts(head, r)),
+            key=lambda r: (-self.priority.preference(r), -r.queue_entry_time),
+        )
+        chosen = []
+        for victim in eligible:
+            chosen.append(victim)
+            free += victim.kv_len + expected_future_tokens(victim, ratio)
+            slots, rows = slots + 1, rows + 1
+            if need <= free and slots > 0 and rows > 0:
+                return chosen
+        return []
+
+    def _retract(self, victim: Req) -> None:
+        """Send a running or half-prefilled request back to the front of the queue: its KV
+        to the prefix cache, its outputs kept, to resume when admitted again."""
+        if victim is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running = [r for r in self.running if r is not victim]
+        self.kv.release(victim)
+        victim.retractions += 1
+        self.waiting_queue.insert(0, victim)
+
     def retract_one(self) -> None:
         """Send back the request that loses least: fewest generated tokens, then the longest
         prompt (it frees the most); a half-prefilled chunked request counts too. Its KV goes
@@ -122,13 +201,7 @@ class BatchFormer:
         if len(candidates) <= 1:
             raise RuntimeError("out of KV memory with a single request; --max-total-tokens is too small")
         victim = min(candidates, key=lambda r: (len(r.output_ids), -r.prompt_len))
-        if victim is self.chunked_req:
-            self.chunked_req = None
-        else:
-            self.running = [r for r in self.running if r is not victim]
-        self.kv.release(victim)
-        victim.retractions += 1
-        self.waiting_queue.insert(0, victim)
+        self._retract(victim)
         self.new_token_ratio.on_retract()
         logger.info("retracted request %s (%d outputs) under memory pressure", victim.rid, len(victim.output_ids))
 

@@ -64,6 +64,8 @@ class Req:
     # was formed (0: not yet): the waiting and running timeouts count from these.
     queue_entry_time: float = 0.0
     forward_entry_time: float = 0.0
+    # SGLang's priority (--enable-priority-scheduling; set to the lowest when not given).
+    priority: int | None = None
     # Logprobs (SGLang semantics: of the model's distribution, before temperature).
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -129,6 +131,7 @@ class Req:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
             token_ids_logprob=msg.token_ids_logprob,
+            priority=msg.priority,
         )
 
     def set_output_limits(self, max_seq_len: int, eos_token_ids: set[int]) -> None:

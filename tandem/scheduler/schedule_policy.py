@@ -2,7 +2,8 @@
 
 `SchedulePolicy` orders the waiting queue: `fcfs` (arrival order) or `lpm` (longest
 cached prefix first; falls back to fcfs for very long queues, where matching every
-request each step would cost more than it saves).
+request each step would cost more than it saves). Under --enable-priority-scheduling
+(`PriorityOrder`, fcfs only, as SGLang) the order is by priority, then arrival.
 
 `PrefillAdder` (SGLang's name) forms one prefill batch: it continues the chunked request,
 then admits waiting requests one by one while their KV fits:
@@ -16,6 +17,7 @@ estimate (as SGLang's): it starts at `init`, shrinks by `decay` every decode ste
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from tandem.mem_cache.chunk_cache import ChunkCache
@@ -28,14 +30,44 @@ LPM_MAX_QUEUE = 128
 IN_BATCH_PREFIX_MIN = 16
 
 
+@dataclass(frozen=True)
+class PriorityOrder:
+    """SGLang's priority scheduling. `preference(req)` is smaller for the request served
+    first: its priority (low values first) or minus it (the default: high values first);
+    a request without one has the lowest. A waiting request preempts a running one whose
+    preference is worse by more than `threshold` (--priority-scheduling-preemption-threshold)."""
+
+    low_values_first: bool
+    threshold: int
+
+    @property
+    def lowest(self) -> int:
+        """The priority of a request that gave none (SGLang's default)."""
+        return sys.maxsize if self.low_values_first else -sys.maxsize - 1
+
+    def preference(self, req: Req) -> int:
+        p = self.lowest if req.priority is None else req.priority
+        return p if self.low_values_first else -p
+
+    def key(self, req: Req) -> tuple[int, float]:
+        """The waiting queue's order: preference, then arrival."""
+        return self.preference(req), req.queue_entry_time
+
+    def preempts(self, waiting: Req, running: Req) -> bool:
+        return self.preference(running) - self.preference(waiting) > self.threshold
+
+
 class SchedulePolicy:
-    def __init__(self, policy: str, kv: ReqKVManager):
+    def __init__(self, policy: str, kv: ReqKVManager, priority: PriorityOrder | None = None):
         if policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy: unknown policy {policy!r}")
         self.policy = policy
         self.kv = kv
+        self.priority = priority
 
     def order(self, waiting: list[Req]) -> list[Req]:
+        if self.priority is not None:
+            return sorted(waiting, key=self.priority.key)
         if self.policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
             return waiting
         lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: r.seq_len - 1]).slots.numel() for r in waiting}

@@ -65,6 +65,10 @@ RUNNING_TIMEOUT_ENV = "SGLANG_REQ_RUNNING_TIMEOUT"
 WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
 RUNNING_TIMEOUT_MESSAGE = "Request running timeout reached."
 TIMEOUT_STATUS = 503
+# --max-queued-requests: SGLang's words for the refused newcomer, and for the waiting
+# request a higher-priority newcomer pushes out (both 503).
+QUEUE_FULL_MESSAGE = "The request queue is full."
+OUTRANKED_MESSAGE = "The request is aborted by a higher priority request."
 
 
 def timeout_from_env(name: str) -> float | None:
@@ -269,11 +273,23 @@ class Scheduler:
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req.from_message(msg)
+        priority = self.batches.priority
+        if priority is not None and req.priority is None:
+            req.priority = priority.lowest
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.batches.waiting_queue) + len(self.grammar_queue) >= limit:
-            req.finished_reason = finish_reason.abort(f"the server is busy: {limit} requests are already waiting", 503)
-            self.send_outputs([req])
-            return
+            # SGLang's answers: the newcomer is refused, unless priority scheduling finds a
+            # waiting request it strictly outranks (the least preferred, newest): that one goes.
+            waiting = [r for r in self.batches.waiting_queue if not r.admitted_once]
+            worst = max(waiting, key=priority.key, default=None) if priority is not None else None
+            if worst is None or priority.preference(req) >= priority.preference(worst):
+                req.finished_reason = finish_reason.abort(QUEUE_FULL_MESSAGE, TIMEOUT_STATUS)
+                self.send_outputs([req])
+                return
+            self.batches.take_waiting(lambda r: r is worst)
+            worst.finished_reason = finish_reason.abort(OUTRANKED_MESSAGE, TIMEOUT_STATUS)
+            self._end(worst)
+            self.send_outputs([worst])
         req.set_output_limits(min(self.context_len, self.max_total_num_tokens), self.finish_checker.eos_token_ids)
         if msg.custom_logit_processor is not None and not self._load_custom_logit_processor(req, msg):
             self.send_outputs([req])

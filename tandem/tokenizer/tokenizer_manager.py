@@ -357,6 +357,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None,
+            priority=obj.priority,
             custom_logit_processor=obj.custom_logit_processor or None,
         )
 

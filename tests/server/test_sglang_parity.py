@@ -1,10 +1,12 @@
 """SGLang features of #26 end to end: stop_regex on the native and OpenAI routes; the
-request timeouts (SGLANG_REQ_RUNNING_TIMEOUT, SGLANG_REQ_WAITING_TIMEOUT)."""
+request timeouts (SGLANG_REQ_RUNNING_TIMEOUT, SGLANG_REQ_WAITING_TIMEOUT); priority
+scheduling (--enable-priority-scheduling, a request's `priority`)."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -97,3 +99,32 @@ def test_waiting_timeout_ends_the_queued_request(tiny_llama_dir):
         errors = [r.json() for r in results if r.json().get("object") == "error"]
         assert len(errors) == 1 and errors[0]["code"] == 503, [r.text for r in results]
         assert errors[0]["message"] == "Request waiting timeout reached."
+
+
+def test_priority_preempts_and_keeps_outputs(tiny_llama_dir):
+    """One running slot: a request of priority 100 (OpenAI extra_body) preempts a running
+    one of priority 0 (native), finishes first; the preempted one resumes with its
+    outputs kept and ends with the greedy tokens it produces alone."""
+    args = ["--max-running-requests", "1", "--enable-priority-scheduling", "--skip-server-warmup"]
+    with ServerHandle(tiny_llama_dir, args) as server:
+        low = {"text": "Once upon a time", "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+        alone = httpx.post(server.base_url + "/generate", json=low, timeout=300).json()["output_ids"]
+        done: list[str] = []
+
+        def run_low():
+            out = httpx.post(server.base_url + "/generate", json={**low, "priority": 0}, timeout=300).json()
+            done.append("low")
+            return out
+
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(run_low)
+            time.sleep(1.0)  # it runs
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "priority": 100, **GREEDY}
+            r = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=300)
+            done.append("high")
+            out = fut.result()
+        assert r.status_code == 200 and done == ["high", "low"], (r.text, done)
+        assert out["output_ids"] == alone and out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["num_retractions"] == 1  # preempted while running, not merely queued
+        bad = httpx.post(server.base_url + "/generate", json={**low, "priority": "high"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("priority: must be an integer")

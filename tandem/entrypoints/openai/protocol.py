@@ -70,6 +70,7 @@ class _SamplingFields(BaseModel):
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
+    priority: StrictInt | None = None  # SGLang's extension: --enable-priority-scheduling
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to a value Tandem cannot honour yet, in declaration order."""

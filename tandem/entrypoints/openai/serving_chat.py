@@ -165,6 +165,7 @@ def build_chat_generate_input(
         input_ids=list(input_ids),
         sampling_params=sampling_params(req, max_new_tokens),
         stream=bool(req.stream),
+        priority=req.priority,
         custom_logit_processor=req.custom_logit_processor,
     )
     if req.logprobs:

@@ -124,6 +124,7 @@ def build_completion_generate_input(
         input_ids=[p.input_ids for p in prompts] if batch else prompts[0].input_ids,
         sampling_params=params if batch else params[0],
         stream=bool(req.stream),
+        priority=req.priority,
         custom_logit_processor=req.custom_logit_processor,
     )
     if req.logprobs is not None:
