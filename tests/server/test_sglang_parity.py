@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -103,22 +103,29 @@ def test_waiting_timeout_ends_the_queued_request(tiny_llama_dir):
 
 def test_priority_preempts_and_keeps_outputs(tiny_llama_dir):
     """One running slot: a request of priority 100 (OpenAI extra_body) preempts a running
-    one of priority 0 (native), finishes first; the preempted one resumes with its
-    outputs kept and ends with the greedy tokens it produces alone."""
+    one of priority 0 (native, streamed: it is known to run), finishes first; the
+    preempted one resumes with its outputs kept and ends with the greedy tokens it
+    produces alone."""
     args = ["--max-running-requests", "1", "--enable-priority-scheduling", "--skip-server-warmup"]
     with ServerHandle(tiny_llama_dir, args) as server:
-        low = {"text": "Once upon a time", "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+        low = {"text": "Once upon a time", "sampling_params": {**GREEDY, "max_new_tokens": 1500}}
         alone = httpx.post(server.base_url + "/generate", json=low, timeout=300).json()["output_ids"]
-        done: list[str] = []
+        running, done = threading.Event(), []
 
         def run_low():
-            out = httpx.post(server.base_url + "/generate", json={**low, "priority": 0}, timeout=300).json()
+            last = None
+            body = {**low, "priority": 0, "stream": True}
+            with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=300) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])
+                        running.set()
             done.append("low")
-            return out
+            return last
 
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(run_low)
-            time.sleep(1.0)  # it runs
+            assert running.wait(120)
             chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "priority": 100, **GREEDY}
             r = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=300)
             done.append("high")
