@@ -226,7 +226,7 @@ def test_a_server_error_is_shown_and_the_question_kept(server, page):
     _settings(page, **{"max-tokens": "100000"})
     _ask(page, "Hi")
     error = page.locator(".msg.assistant .error")
-    expect(error).to_contain_text("exceeds the model's maximum context length")
+    expect(error).to_contain_text("max_completion_tokens is too large")
     expect(page.locator("#prompt")).to_have_value("Hi")
     expect(page.locator("#send")).to_be_visible()
     page.click("#new-chat")
