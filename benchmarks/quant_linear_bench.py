@@ -1,12 +1,10 @@
 """Throughput of the quantized CPU matmul (`tandem_cpu.quant_linear`) on weights that come
-from memory: `python benchmarks/quant_linear_bench.py [--threads N] [--rows R] [--march MARCH]`.
+from memory: `python benchmarks/quant_linear_bench.py [--threads N] [--rows R]`.
 
 Multiplies `--rows` bfloat16 rows by each of 60 distinct 3072 x 576 weights in the 4-bit
 layout (float16 scales, the default model's Q4_1 gate-up shape), so that the weights do
 not stay in cache, and prints the time per matmul and the weight bytes read per second;
-beside it oneDNN's packed bfloat16 matmul on dense copies of the same shape. `--march` builds
-and measures the kernel for another CPU (e.g. `x86-64-v3`: AVX2 without AVX-512) instead of
-this machine's build.
+beside it oneDNN's packed bfloat16 matmul on dense copies of the same shape.
 """
 
 from __future__ import annotations
@@ -34,15 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--march", default=None, help="build the kernel with -march=MARCH (default: native)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.march:
-        torch.ops.load_library(str(cpu_kernels.build((cpu_kernels.CSRC / "quant_linear_cpu.cpp",), args.march)))
-        ops = torch.ops.tandem_cpu
-    else:
-        ops = cpu_kernels.load()
+    ops = cpu_kernels.load()
     if ops is None:
         raise SystemExit("Tandem's C++ CPU kernels are not built")
     weights = [
@@ -59,8 +52,7 @@ def main() -> None:
     dense_s = per_call(lambda: [d(x) for d in dense], COUNT)
     q_bytes = sum(t.numel() * t.element_size() for t in weights[0])
     print(
-        f"{ops.quant_linear_isa()}, threads {torch.get_num_threads()}, rows {args.rows}: "
-        f"quant_linear {quant_s * 1e3:.3f} ms "
+        f"threads {torch.get_num_threads()}, rows {args.rows}: quant_linear {quant_s * 1e3:.3f} ms "
         f"({q_bytes / quant_s / 1e9:.1f} GB/s of weights); oneDNN bf16 {dense_s * 1e3:.3f} ms "
         f"({OUT * IN * 2 / dense_s / 1e9:.1f} GB/s)"
     )

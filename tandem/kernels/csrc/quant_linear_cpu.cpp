@@ -8,14 +8,13 @@
 //                      column 32g + j in its low nibble and column 32g + 16 + j in its high;
 //   bits 8 (group 16 or 32): one uint8 q per column.
 // Two paths, chosen when the library is built for the machine (-march=native):
-// - float32 rows (and every row where the CPU lacks AVX2) are multiplied in float32:
+// - float32 rows (and every row where the CPU lacks AVX-512 VNNI) are multiplied in float32:
 //   y[r, n] = sum_g (sum_k (scale * q) * x[r, k]) + sum_g mn * (sum_k x[r, k]), the products
 //   scale * q rounded as a dequantized weight is, so a result differs from
 //   dequantize-then-matmul only by the summation order (widening by AVX-512F, AVX2 or plain
 //   loops);
-// - bfloat16 / float16 rows with AVX2 at least: x quantized per 32 columns to int8 and integer
-//   dot products (llama.cpp's recipe), by AVX-512 VNNI, AVX-VNNI or AVX2's VPMADDUBSW, whichever
-//   the build has first: the same integer sums (the int8 section below says what it computes).
+// - bfloat16 / float16 rows with AVX-512 VNNI: x quantized per 32 columns to int8 and integer
+//   dot products (llama.cpp's recipe; the VNNI section below says what it computes).
 // Output rows (N) are split over PyTorch's OpenMP threads; a step reads each weight byte once
 // for up to four rows of x at a time. `quant_linear_isa()` names the paths of this build.
 
@@ -152,85 +151,40 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------------------
-// bfloat16 / float16 rows: int8 activations and integer dot products (llama.cpp's recipe).
+// bfloat16 / float16 rows: int8 activations and VNNI integer dot products (llama.cpp's recipe).
 //
 // Each row of x is quantized per block of 32 columns to int8: d = max|x| / 127 and
-// qx = round(x * (1 / d)) to nearest even, so that x ~ d * qx (|qx| <= 127). A chunk of a weight
-// row (the path's kChunk bytes: 128 or 64 columns of the 4-bit layout, 64 or 32 of the 8-bit ones)
-// meets the matching int8 of x in an integer dot product of unsigned weight bytes (the 4-bit
-// layout's nibbles) and signed activations: four exact products summed into each int32 lane.
-// Each lane's sum is scaled by its weight group's scale and its x block's d:
-//   y[r, n] = sum_lanes float(isum) * scale * d + sum_g mn[n, g] * (d * sum_group qx).
-// The one approximation is x rounded to int8 (at most half a step, max|x_block| / 254). Every
-// dot product below gives each lane the same exact integer, so the paths' results differ only
-// by the float summation order. One kernel (int8_block) over three dot products, chosen when
-// the library is built:
-// - AVX-512 VNNI: VPDPBUSD on 64-byte chunks (Avx512Vnni);
-// - AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5): VPDPBUSD's VEX form on 32-byte chunks
-//   (Avx2Int8 built with __AVXVNNI__);
-// - AVX2 (also AVX-512 without VNNI): VPMADDUBSW then VPMADDWD by ones on 32-byte chunks
-//   (Avx2Int8; its comment says how 8-bit weights avoid VPMADDUBSW's int16 saturation).
+// qx = round(x * (1 / d)) to nearest even, so that x ~ d * qx. A 64-byte chunk of a weight row
+// (128 columns of the 4-bit layout, 64 of the 8-bit ones) meets the matching int8 of x in
+// VPDPBUSD (unsigned weight bytes times signed activations, four exact products summed into
+// each of 16 int32 lanes); each lane's sum is scaled by its weight group's scale and its x
+// block's d:  y[r, n] = sum_lanes float(isum) * scale * d + sum_g mn[n, g] * (d * sum_group qx).
+// The one approximation is x rounded to int8 (at most half a step, max|x_block| / 254).
 
-constexpr int64_t kRowAlign = 64;  // bytes: a row of QuantizedX is whole chunks of every path
+constexpr int64_t kChunk = 64;  // weight bytes per step
 
-// x quantized for the bytes of a weight row: per row r of x (`stride` bytes apart: a weight
-// row's bytes rounded up to kRowAlign), byte b of `lo` (int8) meets byte b of a weight row (its
-// low nibbles in the 4-bit layout) and byte b of `hi` (4-bit only) its high nibbles; `d` holds
-// one float per int32 lane (4 bytes): that lane's x scale (zero past K); `lane_sum` (8-bit rows,
-// where the dot product asks for it) 128 * the lane's sum of qx; gsum[r][g] = d * sum(qx) over
+// x quantized for the chunks of a weight row: per row r and chunk i, `lo` (64 int8) meets the
+// chunk's bytes (the low nibbles of the 4-bit layout), `hi` (4-bit only) its high nibbles, `d`
+// (16 floats) is each int32 lane's x scale (zero past K), and gsum[r][g] = d * sum(qx) over
 // weight group g.
 struct QuantizedX {
-  int64_t stride = 0, G = 0;
+  int64_t chunks = 0, G = 0;
   std::vector<int8_t> lo, hi;
   std::vector<float> d, gsum;
-  std::vector<int32_t> lane_sum;
 };
-
-// Row r of a QuantizedX as the kernels read it: lo and hi by byte, d and lane_sum by lane (byte / 4).
-struct XRow {
-  const int8_t *lo, *hi;
-  const float* d;
-  const int32_t* lane_sum;
-};
-
-inline XRow x_row(const QuantizedX& X, int64_t r) {  // hi and lane_sum: null where empty
-  const int64_t lanes = X.stride / 4;
-  return {X.lo.data() + r * X.stride, X.hi.data() + (X.hi.empty() ? 0 : r * X.stride), X.d.data() + r * lanes,
-          X.lane_sum.data() + (X.lane_sum.empty() ? 0 : r * lanes)};
-}
-
-// 32 floats (four vectors of 8) rounded to int8 at out; returns their d.
-inline float quantize_block(const __m256 v[4], int8_t* out) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-  __m256i q[4];
-  for (int p = 0; p < 4; ++p) q[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], _mm256_set1_ps(id)));
-  // The saturating packs work within 128-bit halves; the permutation puts the 32 bytes in order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return d;
-}
 
 template <typename T>
-QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t bits, int64_t group,
-                      bool lane_sums) {
+QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t bits, int64_t group) {
   QuantizedX X;
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
-  X.stride = (row_bytes + kRowAlign - 1) / kRowAlign * kRowAlign;
+  const int64_t cols_pad = (row_bytes + kChunk - 1) / kChunk * kChunk * (bits == 4 ? 2 : 1);
+  X.chunks = (row_bytes + kChunk - 1) / kChunk;
   X.G = K / group;
-  const int64_t cols_pad = X.stride * (bits == 4 ? 2 : 1), lanes = X.stride / 4;
-  X.lo.assign(R * X.stride, 0);
-  if (bits == 4) X.hi.assign(R * X.stride, 0);
-  X.d.assign(R * lanes, 0.f);
-  if (lane_sums) X.lane_sum.assign(R * lanes, 0);
+  X.lo.assign(R * X.chunks * kChunk, 0);
+  if (bits == 4) X.hi.assign(R * X.chunks * kChunk, 0);
+  X.d.assign(R * X.chunks * 16, 0.f);
   X.gsum.assign(R * X.G, 0.f);
   std::vector<int8_t> qx(cols_pad);
   std::vector<float> dblock(cols_pad / 32);
@@ -240,234 +194,130 @@ QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t 
     std::fill(dblock.begin(), dblock.end(), 0.f);
     for (int64_t b = 0; 32 * b < K; ++b) {
       const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
-      __m256 v[4];
+      __m512 v[2];
       for (int p = 0; p < 2; ++p) {
         const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
-        std::memcpy(&v[2 * p], &f, sizeof(f));
+        std::memcpy(&v[p], &f, sizeof(f));
       }
-      dblock[b] = quantize_block(v, qx.data() + 32 * b);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      for (int p = 0; p < parts; ++p) {
+        const __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[p], _mm512_set1_ps(id))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx.data() + 32 * b + 16 * p), q8);
+      }
+      dblock[b] = d;
     }
     for (int64_t g = 0; g < X.G; ++g) {
       int sum = 0;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
       X.gsum[r * X.G + g] = dblock[g * group / 32] * static_cast<float>(sum);
     }
-    int8_t* lo = X.lo.data() + r * X.stride;
-    float* d = X.d.data() + r * lanes;
-    if (bits == 4) {  // group g: bytes 16g .. 16g + 15 (lanes 4g .. 4g + 3), columns 32g + j and 32g + 16 + j
-      int8_t* hi = X.hi.data() + r * X.stride;
-      for (int64_t g = 0; g < X.stride / 16; ++g) {
-        std::memcpy(lo + 16 * g, qx.data() + 32 * g, 16);
-        std::memcpy(hi + 16 * g, qx.data() + 32 * g + 16, 16);
-        for (int l = 0; l < 4; ++l) d[4 * g + l] = dblock[g];
+    for (int64_t i = 0; i < X.chunks; ++i) {
+      int8_t* lo = X.lo.data() + (r * X.chunks + i) * kChunk;
+      float* d = X.d.data() + (r * X.chunks + i) * 16;
+      if (bits == 4) {  // groups 4i + j: bytes 16j .. 16j + 15, lanes 4j .. 4j + 3
+        int8_t* hi = X.hi.data() + (r * X.chunks + i) * kChunk;
+        for (int j = 0; j < 4; ++j) {
+          std::memcpy(lo + 16 * j, qx.data() + 128 * i + 32 * j, 16);
+          std::memcpy(hi + 16 * j, qx.data() + 128 * i + 32 * j + 16, 16);
+          for (int l = 0; l < 4; ++l) d[4 * j + l] = dblock[4 * i + j];
+        }
+      } else {  // columns 64i .. 64i + 63; lane l holds columns 64i + 4l .. 64i + 4l + 3
+        std::memcpy(lo, qx.data() + 64 * i, 64);
+        for (int l = 0; l < 16; ++l) d[l] = dblock[2 * i + l / 8];
       }
-    } else {  // byte k is column k: lane l holds columns 4l .. 4l + 3, of x block l / 8
-      std::memcpy(lo, qx.data(), X.stride);
-      for (int64_t l = 0; l < lanes; ++l) d[l] = dblock[l / 8];
-    }
-    if (lane_sums) {
-      int32_t* ls = X.lane_sum.data() + r * lanes;
-      for (int64_t l = 0; l < lanes; ++l) ls[l] = 128 * (lo[4 * l] + lo[4 * l + 1] + lo[4 * l + 2] + lo[4 * l + 3]);
     }
   }
   return X;
 }
 
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// The 4 floats of f spread over 16 lanes: lane l gets f[l / LANES_PER_GROUP] (4 or 8 lanes each).
+template <int LANES_PER_GROUP>
+inline __m512 spread_groups(__m128 f) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(lane, LANES_PER_GROUP == 8 ? 3 : 2), _mm512_castps128_ps512(f));
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// `count` (<= 4) scales from p, each repeated over the 16 / groups_per_chunk lanes of its group.
+template <int LANES_PER_GROUP>
+inline __m512 lane_scales(const float* p, int count) {
+  return spread_groups<LANES_PER_GROUP>(_mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), p));
+}
+template <int LANES_PER_GROUP>
+inline __m512 lane_scales(const c10::Half* p, int count) {
+  return spread_groups<LANES_PER_GROUP>(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p)));
+}
+
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
 
 // sum_g mn[g] * gsum[g]
 template <typename S>
 inline float offsets(const S* mn, const float* gsum, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(load8(mn + g), _mm256_loadu_ps(gsum + g), acc);
-  float sum = sum8(acc);
-  for (; g < G; ++g) sum += to_float(mn[g]) * gsum[g];
-  return sum;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 m = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+    acc = _mm512_fmadd_ps(load16_masked(mn + g, m), _mm512_maskz_loadu_ps(m, gsum + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 
-// Each path is a struct of the same static functions over its registers (I: int32 lanes, F:
-// float lanes): load(p, bytes) a chunk (zero past `bytes`); operands<BITS>(w, a, b) what the
-// dot product takes from it; dot<BITS>(a, b, x, at) the int32 lane sums against the bytes of
-// x's row from `at`; lane_scales<LANES_PER_GROUP>(p, count) `count` group scales, each over
-// its lanes; fmadd(isum, ws, d, acc) acc + float(isum) * ws * d; sum(acc) its lanes' sum.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// AVX-512 VNNI: 64-byte chunks, VPDPBUSD.
-struct Avx512Vnni {
-  static constexpr int64_t kChunk = 64;
-  static constexpr bool kLaneSums = false;
-  using I = __m512i;
-  using F = __m512;
-  static F zero() { return _mm512_setzero_ps(); }
-  static I load(const uint8_t* p, int64_t bytes) {
-    return _mm512_maskz_loadu_epi8(bytes == kChunk ? ~0ull : (1ull << bytes) - 1, p);
-  }
-  template <int BITS>
-  static void operands(I w, I& a, I& b) {  // 4-bit: low and high nibbles; 8-bit: the bytes
-    const I low4 = _mm512_set1_epi8(0x0F);
-    a = BITS == 4 ? _mm512_and_si512(w, low4) : w;
-    b = BITS == 4 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), low4) : w;
-  }
-  template <int BITS>
-  static I dot(I a, I b, const XRow& x, int64_t at) {
-    I s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), a, _mm512_loadu_si512(x.lo + at));
-    if constexpr (BITS == 4) s = _mm512_dpbusd_epi32(s, b, _mm512_loadu_si512(x.hi + at));
-    return s;
-  }
-  // The 4 floats of f spread over 16 lanes: lane l gets f[l / LANES_PER_GROUP] (4 or 8 lanes each).
-  template <int LANES_PER_GROUP>
-  static F spread_groups(__m128 f) {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    return _mm512_permutexvar_ps(_mm512_srli_epi32(lane, LANES_PER_GROUP == 8 ? 3 : 2), _mm512_castps128_ps512(f));
-  }
-  template <int LANES_PER_GROUP>
-  static F lane_scales(const float* p, int count) {
-    return spread_groups<LANES_PER_GROUP>(_mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), p));
-  }
-  template <int LANES_PER_GROUP>
-  static F lane_scales(const c10::Half* p, int count) {
-    return spread_groups<LANES_PER_GROUP>(_mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), p)));
-  }
-  static F fmadd(I isum, F ws, const float* d, F acc) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_loadu_ps(d)), acc);
-  }
-  static float sum(F acc) { return _mm512_reduce_add_ps(acc); }
-};
-using Int8Path = Avx512Vnni;
-#define TANDEM_QUANT_INT8 "avx512_vnni"
-#else
-// AVX2: 32-byte chunks. With AVX-VNNI, VPDPBUSD's VEX form as above. Otherwise VPMADDUBSW
-// (unsigned bytes times signed bytes, adjacent products summed to int16 with saturation), then
-// VPMADDWD by ones (adjacent int16 summed to int32). 4-bit weights (<= 15) cannot saturate,
-// even with the low and high nibbles' pairs added in int16 (2 * 2 * 15 * 127 = 7620); 8-bit
-// weights (<= 255) could (2 * 255 * 127 > 32767), so they enter as w - 128 by llama.cpp's sign
-// trick: |w - 128| (<= 128, as unsigned) times qx carrying w - 128's sign (pairs <= 2 * 128 * 127
-// = 32512), and the lane's 128 * sum(qx) added back (QuantizedX::lane_sum): the same exact sum.
-struct Avx2Int8 {
-  static constexpr int64_t kChunk = 32;
-#ifdef __AVXVNNI__
-  static constexpr bool kLaneSums = false;
-#else
-  static constexpr bool kLaneSums = true;
-#endif
-  using I = __m256i;
-  using F = __m256;
-  static F zero() { return _mm256_setzero_ps(); }
-  static I load(const uint8_t* p, int64_t bytes) {  // rows are whole 16-byte groups: 16 or 32 bytes
-    if (bytes == kChunk) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  template <int BITS>
-  static void operands(I w, I& a, I& b) {
-    if constexpr (BITS == 4) {  // low and high nibbles
-      const I low4 = _mm256_set1_epi8(0x0F);
-      a = _mm256_and_si256(w, low4);
-      b = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-    } else if constexpr (kLaneSums) {  // w - 128 (signed) and its magnitude
-      a = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-      b = _mm256_abs_epi8(a);
-    } else {
-      a = b = w;
-    }
-  }
-  static I x_bytes(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  template <int BITS>
-  static I dot(I a, I b, const XRow& x, int64_t at) {
-#ifdef __AVXVNNI__
-    I s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, x_bytes(x.lo + at));
-    if constexpr (BITS == 4) s = _mm256_dpbusd_avx_epi32(s, b, x_bytes(x.hi + at));
-    return s;
-#else
-    const I ones = _mm256_set1_epi16(1);
-    if constexpr (BITS == 4) {
-      const I pairs =
-          _mm256_add_epi16(_mm256_maddubs_epi16(a, x_bytes(x.lo + at)), _mm256_maddubs_epi16(b, x_bytes(x.hi + at)));
-      return _mm256_madd_epi16(pairs, ones);
-    } else {
-      const I pairs = _mm256_maddubs_epi16(b, _mm256_sign_epi8(x_bytes(x.lo + at), a));
-      return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), x_bytes(x.lane_sum + at / 4));
-    }
-#endif
-  }
-  template <int LANES_PER_GROUP, typename S>  // count: 1, or 2 with 4 lanes each
-  static F lane_scales(const S* p, int count) {
-    if constexpr (LANES_PER_GROUP == 8) return _mm256_set1_ps(to_float(p[0]));
-    return _mm256_set_m128(_mm_set1_ps(count > 1 ? to_float(p[1]) : 0.f), _mm_set1_ps(to_float(p[0])));
-  }
-  static F fmadd(I isum, F ws, const float* d, F acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_loadu_ps(d)), acc);
-  }
-  static float sum(F acc) { return sum8(acc); }
-};
-using Int8Path = Avx2Int8;
-#ifdef __AVXVNNI__
-#define TANDEM_QUANT_INT8 "avx_vnni"
-#else
-#define TANDEM_QUANT_INT8 "avx2_maddubs"
-#endif
-#endif
-
-// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n], by path P.
-template <typename P, int BITS, int GROUP, int NR, typename T, typename S>
-void int8_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
+// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n].
+template <int BITS, int GROUP, int NR, typename T, typename S>
+void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                 T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int64_t kChunk = P::kChunk;
-  constexpr int kGroupsPerChunk = BITS == 4 ? kChunk / 16 : kChunk / GROUP;
-  constexpr int kLanesPerGroup = kChunk / 4 / kGroupsPerChunk;
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, G = X.G;
-  const int64_t chunks = (row_bytes + kChunk - 1) / kChunk;
-  const int64_t tail = row_bytes - (chunks - 1) * kChunk;  // bytes in the last chunk
+  constexpr int kGroupsPerChunk = BITS == 4 ? 4 : kChunk / GROUP;
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K, G = X.G, chunks = X.chunks;
+  const int64_t tail = row_bytes - (chunks - 1) * kChunk;  // bytes in the last chunk, 1..64
+  const __mmask64 tail_mask = tail == kChunk ? ~0ull : (1ull << tail) - 1;
   const int tail_groups = static_cast<int>(G - (chunks - 1) * kGroupsPerChunk);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = q + n * row_bytes;
     const S* sn = scale + n * G;
-    typename P::F acc[NR];
-    XRow xr[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = P::zero(), xr[r] = x_row(X, r0 + r);
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < chunks; ++i) {
       const bool last = i == chunks - 1;
-      typename P::I a, b;
-      P::template operands<BITS>(P::load(qn + kChunk * i, last ? tail : kChunk), a, b);
-      const typename P::F ws =
-          P::template lane_scales<kLanesPerGroup>(sn + kGroupsPerChunk * i, last ? tail_groups : kGroupsPerChunk);
+      const __m512i w = _mm512_maskz_loadu_epi8(last ? tail_mask : ~0ull, qn + kChunk * i);
+      const __m512 ws = lane_scales<16 / kGroupsPerChunk>(sn + kGroupsPerChunk * i, last ? tail_groups : kGroupsPerChunk);
+      const __m512i lo = BITS == 4 ? _mm512_and_si512(w, low4) : w;
+      const __m512i hi = BITS == 4 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), low4) : w;
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
-        const int64_t at = kChunk * i;
-        acc[r] = P::fmadd(P::template dot<BITS>(a, b, xr[r], at), ws, xr[r].d + at / 4, acc[r]);
+        const int64_t at = (r0 + r) * chunks + i;
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(X.lo.data() + at * kChunk));
+        if constexpr (BITS == 4) s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(X.hi.data() + at * kChunk));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_loadu_ps(X.d.data() + at * 16)), acc[r]);
       }
     }
     for (int r = 0; r < NR; ++r) {
       const float off = offsets(mn + n * G, X.gsum.data() + (r0 + r) * G, G);
-      y[(r0 + r) * N + n] = static_cast<T>(P::sum(acc[r]) + off + (bias ? bias[n] : 0.f));
+      y[(r0 + r) * N + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) + off + (bias ? bias[n] : 0.f));
     }
   }
 }
 
 template <int BITS, int GROUP, typename T, typename S>
-void int8_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
+void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  using P = Int8Path;
   for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
     switch (std::min<int64_t>(kRowBlock, R - r0)) {
-      case 1: int8_block<P, BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 2: int8_block<P, BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 3: int8_block<P, BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      default: int8_block<P, BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      case 1: vnni_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      case 2: vnni_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      case 3: vnni_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      default: vnni_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
     }
   }
 }
+#define TANDEM_QUANT_VNNI 1
 #endif
 
-// bfloat16 / float16 rows through the int8 path where the build has one (AVX2 at least);
-// otherwise (and for float32 rows, whose results equal dequantize-then-matmul) x's rows in
-// float32 and each group's sum; then every output row, split over threads.
+// bfloat16 / float16 rows through the VNNI path where the CPU has it; otherwise (and for float32
+// rows, whose results equal dequantize-then-matmul) x's rows in float32 and each group's sum;
+// then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
                        const float* bias, int64_t bits, int64_t group, at::Tensor& y) {
@@ -479,16 +329,16 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   T* yp = y.data_ptr<T>();
   // Output rows per task: ~64 KB of weights, below which a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
-#ifdef TANDEM_QUANT_INT8
+#ifdef TANDEM_QUANT_VNNI
   if constexpr (!std::is_same_v<T, float>) {
-    const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group, Int8Path::kLaneSums && bits == 8);
+    const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {
-        int8_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+        vnni_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       } else if (group == 32) {
-        int8_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+        vnni_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       } else {
-        int8_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+        vnni_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       }
     });
     return;
@@ -567,12 +417,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
-// The path this build takes for bfloat16 / float16 rows (int8 activations multiplied by
-// "avx512_vnni", "avx_vnni" or "avx2_maddubs"; "float" without AVX2) and, after a comma, the
-// widening of the float path (float32 rows, and every row without AVX2).
+// The path this build takes for bfloat16 / float16 rows ("avx512_vnni": int8 activations) and,
+// after a comma, the widening of the float path (float32 rows, and the others without VNNI).
 std::string quant_linear_isa() {
-#ifdef TANDEM_QUANT_INT8
-  std::string half = TANDEM_QUANT_INT8;
+#ifdef TANDEM_QUANT_VNNI
+  std::string half = "avx512_vnni";
 #else
   std::string half = "float";
 #endif
