@@ -55,6 +55,7 @@ def test_kernel_equals_dequantize_then_matmul(name, rows):
     check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
 
 
+@pytest.mark.slow  # compiles the kernel twice more (-march variants)
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
 @pytest.mark.parametrize("march,isa", [("x86-64-v3", "float,avx2"), ("x86-64", "float,portable")])
 def test_kernel_builds_for_other_cpus(march, isa):
