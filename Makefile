@@ -52,7 +52,7 @@ serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
 test: install default-model
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-# The fast tier: the unit tests (in-process: no servers), without those marked slow; under
+# The fast tier: the unit tests (in-process: no servers), without those marked slow; about
 # 3 minutes on 2 cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests/unit
