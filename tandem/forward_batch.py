@@ -49,6 +49,11 @@ class ForwardBatch:
     # Mixed batches (--enable-mixed-chunk), EXTEND only: requests 0..num_prefill-1 prefill,
     # the rest are running requests decoding one token each (extend_len 1). None: not mixed.
     num_prefill: int | None = None
+    # Per request, the load id of its LoRA adapter (None: the base model); None: no request uses one.
+    lora_uids: list[int | None] | None = None
+    # Speculative verification (tandem/speculative), EXTEND only: logits for every new
+    # token, not only each request's last.
+    all_logits: bool = False
 
     @classmethod
     def for_rows(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from tandem.sglang_flags import QUANTIZE_AT_LOAD, add_compat_args, check_compat_flags
+from tandem.speculative.args import NGRAM_DEFAULT_MIN_WINDOW, add_speculative_args, resolve_speculative_args
 from tandem.utils.ipc_dirs import make_ipc_dir
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,13 @@ class ServerArgs:
     quantization: str | None = None
     lora_paths: list[str] | None = None
     enable_lora: bool = False
+    # Speculative decoding (tandem/speculative/args.py fills the defaults).
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = NGRAM_DEFAULT_MIN_WINDOW
+    speculative_ngram_max_match_window_size: int = 12
     enable_dp_attention: bool = False
     is_embedding: bool = False
     reasoning_parser: str | None = None
@@ -132,6 +138,8 @@ class ServerArgs:
             # it with (and shares its GIL): the normal loop is faster there (measured in
             # docs/perf-log/scheduling.md, "Overlap on CPU"), as vLLM turns async scheduling off on CPU.
             self.disable_overlap_schedule = self.device == "cpu"
+            # As SGLang for NGRAM and draft models: speculation runs the normal loop.
+            self.disable_overlap_schedule |= self.speculative_algorithm is not None
 
     def validate(self) -> None:
         """Raise ValueError for values that can never work, naming the flag; log each
@@ -184,6 +192,7 @@ class ServerArgs:
             raise ValueError("--port: must be in 1..65535")
         self._resolve_load_format()
         self._validate_parallelism()
+        resolve_speculative_args(self)
 
     def _resolve_load_format(self) -> None:
         """A .gguf path (or a directory of GGUF weights) implies --load-format gguf, as in SGLang;
@@ -481,6 +490,7 @@ class ServerArgs:
             help="How the data-parallel controller (--dp-size > 1) picks the replica of each request: "
             "in turn, or the one with the fewest requests in flight.",
         )
+        add_speculative_args(parser)
         add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod

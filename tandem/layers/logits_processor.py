@@ -28,7 +28,7 @@ class InputLogprobs:
 
 @dataclass
 class LogitsProcessorOutput:
-    next_token_logits: torch.Tensor  # [bs, vocab] float32
+    next_token_logits: torch.Tensor  # [bs, vocab] float32 ([num_tokens, vocab] under `fb.all_logits`)
     # One entry per request; None where input logprobs were not asked for.
     input_logprobs: list[InputLogprobs | None] = field(default_factory=list)
 
@@ -61,7 +61,7 @@ class LogitsProcessor:
         """`lm_head` maps hidden states [n, hidden] to logits [n, vocab]."""
         if self.softcap > 0:
             lm_head = self._capped(lm_head, self.softcap)
-        if fb.forward_mode.is_decode():
+        if fb.forward_mode.is_decode() or fb.all_logits:
             return LogitsProcessorOutput(lm_head(hidden).float(), [None] * fb.batch_size)
         last = hidden[fb.last_token_indices()]
         out = LogitsProcessorOutput(lm_head(last).float())

@@ -83,8 +83,7 @@ class Sampler:
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:
             return greedy_ids
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
-        probs = _filter_probs(probs, info.top_ks, info.top_ps, info.min_ps)
+        probs = sampling_probs(logits, info)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         noise = torch.where(
             info.has_seed.unsqueeze(1), seeded_exponential(info.seeds, info.output_lens, probs.shape[-1]), noise
@@ -92,6 +91,13 @@ class Sampler:
         sampled = torch.argmax(probs / noise, dim=-1)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution each row samples from: softmax at its temperature, then top-k,
+    top-p and min-p (speculative rejection sampling compares these)."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    return _filter_probs(probs, info.top_ks, info.top_ps, info.min_ps)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -68,8 +68,15 @@ class ReqKVManager:
     # ---- allocation for a forward --------------------------------------------------
     def alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor:
         """Slots for each request's next `extend_lens[i]` tokens, written into its row."""
-        slots = self._alloc_slots(sum(extend_lens))
+        slots = self.try_alloc_extend(reqs, extend_lens)
         assert slots is not None, "admission guaranteed these slots"
+        return slots
+
+    def try_alloc_extend(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+        """`alloc_extend`, or None when memory is short (a speculative verify step)."""
+        slots = self._alloc_slots(sum(extend_lens))
+        if slots is None:
+            return None
         offset = 0
         for req, n in zip(reqs, extend_lens):
             self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots[offset : offset + n])
@@ -83,6 +90,16 @@ class ReqKVManager:
             return None
         self.req_to_token_pool.write_one_each([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
         return slots
+
+    def release_rejected(self, req: Req) -> None:
+        """After a speculative verify step: the slots computed past the request's accepted
+        tokens (its rejected drafts) go back to the pool at once; kv_len == seq_len - 1
+        again. They are the request's own (past cache_owned_len)."""
+        keep = req.seq_len - 1
+        if req.req_pool_idx is None or req.kv_len <= keep:
+            return
+        self.token_to_kv_pool.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len].clone())
+        req.kv_len = keep
 
     # ---- caching and release -------------------------------------------------------
     def _insert(self, req: Req, kv_len: int) -> None:

@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 class BatchFormer:
-    def __init__(self, server_args: ServerArgs, kv: ReqKVManager, max_running_requests: int):
+    def __init__(self, server_args: ServerArgs, kv: ReqKVManager, max_running_requests: int, spec=None):
+        """`spec`: the SpeculativeDecoder whose verify batches replace decode steps (None: off)."""
         self.kv = kv
+        self.spec = spec
         self.priority = (
             PriorityOrder(
                 server_args.schedule_low_priority_values_first, server_args.priority_scheduling_preemption_threshold
@@ -124,6 +126,8 @@ class BatchFormer:
         """A decode batch of the running requests, retracting some if memory is short
         (after `make_room`, which may free some)."""
         self.new_token_ratio.step()
+        if self.spec is not None and (verify := self.spec.verify_batch(self.running, self.kv)) is not None:
+            return verify
         while self.running:
             slots = self.kv.alloc_decode(self.running)
             if slots is not None:

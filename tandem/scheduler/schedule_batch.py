@@ -87,6 +87,8 @@ class Req:
     # Its custom logit processor and params (--enable-custom-logit-processor), deserialized
     # by this rank's scheduler when the request arrived; kept for its whole life.
     custom_logit_processor: RequestProcessor | None = None
+    # Speculative decoding (tandem/speculative): its draft state and verify counts; None without.
+    spec: Any = None
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
@@ -202,6 +204,12 @@ class ScheduleBatch:
     # Mixed batches (--enable-mixed-chunk): reqs[num_prefill:] are running requests that
     # decode their next token inside this EXTEND forward (extend_len 1). None: all prefill.
     num_prefill: int | None = None
+    # Speculative verification (a DECODE batch; tandem/speculative): each request computes
+    # its newest token followed by its draft tokens, and the forward returns the logits of
+    # every one; `draft_probs` [num_tokens, vocab] are a draft model's distributions (None:
+    # n-gram drafts, point masses).
+    draft_ids: list[list[int]] | None = None
+    draft_probs: torch.Tensor | None = None
 
     def is_prefill(self, i: int) -> bool:
         """Whether reqs[i] is prefilling (EXTEND, not a running request mixed in)."""
@@ -231,6 +239,8 @@ class ScheduleBatch:
             return_logprob=[r.return_logprob for r in self.reqs],
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             token_ids_logprob=[r.token_ids_logprob for r in self.reqs],
+            draft_ids=self.draft_ids,
+            draft_probs=self.draft_probs,
         )
         # Requests with a custom logit processor: their output ids before this forward.
         custom = [
@@ -269,15 +279,16 @@ class ScheduleBatch:
             elif req.pending_tokens:  # NOTE: not launched_output_ids(): it copies output_ids
                 new = [FutureMap.placeholder(req.req_pool_idx)]
             else:
-                new = req.output_ids[-1:]
+                new = req.output_ids[-1:] + (self.draft_ids[i] if self.draft_ids is not None else [])
             prefix_lens.append(req.kv_len)
             extend_lens.append(len(new))
             seq_lens.append(req.kv_len + len(new))
             input_ids.extend(new)
             positions.extend(range(req.kv_len, req.kv_len + len(new)))
-        extend = self.forward_mode.is_extend()
+        verify = self.draft_ids is not None
+        extend = self.forward_mode.is_extend() or verify
         return ForwardBatch(
-            forward_mode=self.forward_mode,
+            forward_mode=ForwardMode.EXTEND if verify else self.forward_mode,
             batch_size=len(self.reqs),
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -288,7 +299,7 @@ class ScheduleBatch:
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
             input_logprob_starts=[
-                r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() else -1
+                r.logprob_start_len if self.is_prefill(i) and r.wants_input_logprobs() and not verify else -1
                 for i, r in enumerate(self.reqs)
             ]
             if extend
@@ -296,6 +307,7 @@ class ScheduleBatch:
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if extend else None,
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
             num_prefill=self.num_prefill,
+            all_logits=verify,
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:
@@ -331,3 +343,7 @@ class ModelWorkerBatch:
     token_ids_logprob: list[list[int] | None]
     # Constrained requests' allowed tokens (tandem/constrained/vocab_mask.py); None: none.
     vocab_mask: Any = None
+    # Speculative verification: each request's draft tokens, and a draft model's
+    # distributions (see ScheduleBatch); None: a plain forward.
+    draft_ids: list[list[int]] | None = None
+    draft_probs: torch.Tensor | None = None

@@ -51,6 +51,7 @@ from tandem.scheduler.scheduler_output import build_batch_output
 from tandem.scheduler.throughput import GenThroughput
 from tandem.scheduler.tp_worker import HostBatchResult, TpModelWorker
 from tandem.server_args import ServerArgs
+from tandem.speculative.spec_decoder import SpeculativeDecoder
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,9 @@ class Scheduler:
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(runner.token_to_kv_pool)
         self.kv = ReqKVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree_cache)
-        self.batches = BatchFormer(server_args, self.kv, self.max_running_requests)
+        # --speculative-algorithm: verify batches replace decode steps (tandem/speculative).
+        self.spec = SpeculativeDecoder(server_args, runner) if server_args.speculative_algorithm else None
+        self.batches = BatchFormer(server_args, self.kv, self.max_running_requests, self.spec)
 
         self.enable_overlap = not server_args.disable_overlap_schedule
         executor_cls = ForwardThread if self.enable_overlap else ForwardExecutor
@@ -413,10 +416,19 @@ class Scheduler:
                 req.record_output_logprobs(result, i, token_id=None)
             req.finished_reason = finish_reason.length(0)
             return
-        req.accept_token(token_id)
-        if req.return_logprob:
-            req.record_output_logprobs(result, i, token_id)
-        req.finished_reason = req.abort_reason() or self.finish_checker.check(req)
+        kept = 0  # under speculation: its accepted drafts and the bonus token, up to its finish
+        for row in result.rows_of(i):
+            token_id = result.next_token_ids[row]
+            req.accept_token(token_id)
+            if req.return_logprob:
+                req.record_output_logprobs(result, row, token_id)
+            req.finished_reason = req.abort_reason() or self.finish_checker.check(req)
+            kept += 1
+            if req.finished():
+                break
+        if self.spec is not None and not prefilling:
+            self.spec.record_step(req, len(batch.draft_ids[i]) if batch.draft_ids else 0, kept - 1)
+            self.kv.release_rejected(req)
         if prefilling and not req.finished():
             self.batches.running.append(req)
 

@@ -20,6 +20,7 @@ from tandem.model_executor.model_runner import ModelRunner
 from tandem.scheduler.future_map import FutureMap
 from tandem.scheduler.schedule_batch import ModelWorkerBatch
 from tandem.server_args import ServerArgs
+from tandem.speculative.verify import verify_drafts
 
 
 @dataclass
@@ -35,6 +36,16 @@ class HostBatchResult:
     input_logprobs: list[InputLogprobs | None]
     # Rows whose custom logit processor raised -> its error (those requests fail alone).
     failed: dict[int, str] = field(default_factory=dict)
+    # Speculative verification: drafts accepted per request; the token lists above then
+    # hold accept_lens[i] + 1 entries for request i, request after request. None: one each.
+    accept_lens: list[int] | None = None
+
+    def rows_of(self, i: int) -> range:
+        """The entries of request i."""
+        if self.accept_lens is None:
+            return range(i, i + 1)
+        start = sum(self.accept_lens[:i]) + i
+        return range(start, start + self.accept_lens[i] + 1)
 
 
 @dataclass
@@ -53,6 +64,10 @@ class GenerationBatchResult:
     copy_done: torch.cuda.Event | None = None
     # Rows whose custom logit processor raised -> its error.
     failed: dict[int, str] = field(default_factory=dict)
+    # Speculative verification: drafts accepted per request, and the request of each
+    # entry of next_token_ids (see HostBatchResult); None: one entry per request.
+    accept_lens: list[int] | None = None
+    owners: list[int] | None = None
 
     def copy_to_host(self) -> None:
         """Queue the device-to-host copies and record `copy_done` (no-op on CPU)."""
@@ -72,19 +87,26 @@ class GenerationBatchResult:
         """The lists the scheduler works with (waits for `copy_done` first)."""
         if self.copy_done is not None:
             self.copy_done.synchronize()
-        bs = len(mwb.return_logprob)
+        n = int(self.next_token_ids.numel())
         out = HostBatchResult(
-            self.next_token_ids.tolist(), [None] * bs, [None] * bs, [None] * bs, self.input_logprobs, self.failed
+            self.next_token_ids.tolist(),
+            [None] * n,
+            [None] * n,
+            [None] * n,
+            self.input_logprobs,
+            self.failed,
+            self.accept_lens,
         )
         if not self.logprob_rows:
             return out
         chosen = self.token_logprobs.tolist()
         values, ids = self.top_values.tolist(), self.top_ids.tolist()
         for j, i in enumerate(self.logprob_rows):
-            k = mwb.top_logprobs_nums[i]
+            owner = i if self.owners is None else self.owners[i]
+            k = mwb.top_logprobs_nums[owner]
             out.next_token_logprobs[i] = chosen[j]
             out.next_top_logprobs[i] = list(zip(values[j][:k], ids[j][:k]))
-            wanted = mwb.token_ids_logprob[i]
+            wanted = mwb.token_ids_logprob[owner]
             if wanted is not None:
                 out.next_token_ids_logprobs[i] = list(zip(self.token_ids_logprobs[j].tolist(), wanted))
         return out
@@ -108,8 +130,20 @@ class TpModelWorker:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         """Forward, sample, gather the wanted logprobs; the result stays on the device."""
         out = self.forward(mwb)
+        if mwb.draft_ids is not None:
+            return self._verify(mwb, out)
         next_ids = self.sample(out.next_token_logits, mwb)
-        return self._result(mwb, out, next_ids)
+        return self._result(mwb, out.next_token_logits, out.input_logprobs, next_ids)
+
+    def _verify(self, mwb: ModelWorkerBatch, out: LogitsProcessorOutput) -> GenerationBatchResult:
+        """A speculative verify forward's result: every request's accepted tokens
+        (tandem/speculative/verify.py), with their logprobs where asked."""
+        logits = out.next_token_logits
+        verified = verify_drafts(logits, mwb.sampling_info, self.model_runner.sampler, mwb.draft_ids, mwb.draft_probs)
+        owners = [i for i, n in enumerate(verified.accept_lens) for _ in range(n + 1)]
+        result = self._result(mwb, logits[verified.rows], out.input_logprobs, verified.token_ids, owners)
+        result.accept_lens = verified.accept_lens
+        return result
 
     @torch.inference_mode()
     def forward(self, mwb: ModelWorkerBatch) -> LogitsProcessorOutput:
@@ -132,23 +166,30 @@ class TpModelWorker:
         return next_ids
 
     @staticmethod
-    def _result(mwb: ModelWorkerBatch, out: LogitsProcessorOutput, next_ids: torch.Tensor) -> GenerationBatchResult:
-        result = GenerationBatchResult(next_token_ids=next_ids, input_logprobs=out.input_logprobs)
+    def _result(
+        mwb: ModelWorkerBatch,
+        logits: torch.Tensor,
+        input_logprobs: list,
+        next_ids: torch.Tensor,
+        owners: list[int] | None = None,
+    ) -> GenerationBatchResult:
+        """`logits` [n, vocab]: the row each of the n `next_ids` was sampled from; `owners`:
+        the request of each (None: row i is request i)."""
+        result = GenerationBatchResult(next_token_ids=next_ids, input_logprobs=input_logprobs, owners=owners)
         if mwb.sampling_info.custom is not None:
             result.failed = mwb.sampling_info.custom.failed
-        rows = [i for i, wanted in enumerate(mwb.return_logprob) if wanted]
+        owner = owners or list(range(len(mwb.return_logprob)))
+        rows = [j for j, i in enumerate(owner) if mwb.return_logprob[i]]
         if rows:
-            logits = out.next_token_logits
             logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
             result.logprob_rows = rows
             result.token_logprobs = logprobs.gather(1, next_ids[rows].unsqueeze(1)).squeeze(1)
-            k_max = max(mwb.top_logprobs_nums[i] for i in rows)
+            k_max = max(mwb.top_logprobs_nums[owner[j]] for j in rows)
             result.top_values, result.top_ids = logprobs.topk(k_max, dim=-1)
+            wanted = [mwb.token_ids_logprob[owner[j]] for j in rows]
             result.token_ids_logprobs = [
-                None
-                if mwb.token_ids_logprob[i] is None
-                else logprobs[j, torch.tensor(mwb.token_ids_logprob[i], dtype=torch.int64, device=logits.device)]
-                for j, i in enumerate(rows)
+                None if ids is None else logprobs[r, torch.tensor(ids, dtype=torch.int64, device=logits.device)]
+                for r, ids in enumerate(wanted)
             ]
         result.copy_to_host()
         return result
