@@ -90,8 +90,13 @@ class ServerArgs:
     page_size: int | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # LoRA adapters (tandem/lora); --lora-paths implies --enable-lora, as in SGLang.
     lora_paths: list[str] | None = None
     enable_lora: bool = False
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    max_loaded_loras: int | None = None
     # Speculative decoding (tandem/speculative/args.py fills the defaults).
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -193,6 +198,23 @@ class ServerArgs:
         self._resolve_load_format()
         self._validate_parallelism()
         resolve_speculative_args(self)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from tandem.lora.manager import parse_lora_paths, parse_target_modules
+
+        paths = parse_lora_paths(self.lora_paths)
+        parse_target_modules(self.lora_target_modules)
+        if paths:
+            self.enable_lora = True
+        if self.max_loras_per_batch < 1:
+            raise ValueError("--max-loras-per-batch: must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank: must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < max(len(paths), 1):
+            raise ValueError(f"--max-loaded-loras: must be >= 1 and >= the --lora-paths given ({len(paths)})")
+        if self.enable_lora and not paths and (self.max_lora_rank is None or not self.lora_target_modules):
+            raise ValueError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
 
     def _resolve_load_format(self) -> None:
         """A .gguf path (or a directory of GGUF weights) implies --load-format gguf, as in SGLang;
@@ -489,6 +511,34 @@ class ServerArgs:
             choices=LOAD_BALANCE_METHODS,
             help="How the data-parallel controller (--dp-size > 1) picks the replica of each request: "
             "in turn, or the one with the fewest requests in flight.",
+        )
+        add("--enable-lora", action="store_true", help="Serve LoRA adapters (implied by --lora-paths).")
+        add(
+            "--lora-paths",
+            nargs="*",
+            default=None,
+            help="Adapters loaded at start: name=path, a path (named by itself) or SGLang's JSON "
+            '{"lora_name": ..., "lora_path": ...}; PEFT format.',
+        )
+        add("--max-loras-per-batch", type=int, default=8, help="Adapter slots: most distinct adapters in a batch.")
+        add(
+            "--max-lora-rank",
+            type=int,
+            default=None,
+            help="Largest adapter rank the slots hold (default: the largest of --lora-paths).",
+        )
+        add(
+            "--lora-target-modules",
+            nargs="*",
+            default=None,
+            help="Modules adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
+            "or all (default: those of --lora-paths).",
+        )
+        add(
+            "--max-loaded-loras",
+            type=int,
+            default=None,
+            help="Most adapters loaded (in host memory) at once (default: no limit).",
         )
         add_speculative_args(parser)
         add_compat_args(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})

@@ -5,7 +5,7 @@ Each flag is a `ServerArgs` field (its default lives there). Three kinds:
   are listed here with the values Tandem can honour;
 - NO_EFFECT flags tune something this build does not have (CUDA graphs, torch.compile,
   ...): a value other than the default is accepted and logged once;
-- NOT_BUILT flags ask for a feature Tandem lacks (LoRA, DP attention,
+- NOT_BUILT flags ask for a feature Tandem lacks (DP attention, embedding models,
   parallelism > 1, ...): a value other than the neutral one stops the start with one
   line naming the flag.
 docs/api.md lists them all.
@@ -115,8 +115,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         _is(None, "gguf", *QUANTIZE_AT_LOAD),
     ),
     # Features Tandem does not have.
-    CompatFlag("lora_paths", ("--lora-paths",), "LoRA adapters are not built yet", _OFF, parse={"nargs": "*"}),
-    CompatFlag("enable_lora", ("--enable-lora",), "LoRA adapters are not built yet", _OFF, parse=_FLAG),
     CompatFlag("enable_dp_attention", ("--enable-dp-attention",), "DP attention is not built yet", _OFF, parse=_FLAG),
     CompatFlag("is_embedding", ("--is-embedding",), "embedding models are not built yet", _OFF, parse=_FLAG),
     CompatFlag(

@@ -33,10 +33,15 @@ def make_runner(model_dir, **overrides) -> ModelRunner:
 
 
 def greedy_steps(
-    runner: ModelRunner, prompts: list[list[int]], steps: int, chunk: int | None = None
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    steps: int,
+    chunk: int | None = None,
+    lora_uids: list[int | None] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill every prompt (in chunks of `chunk` tokens when given), then `steps` greedy
-    decode steps. Returns each request's generated ids and the logits of every step."""
+    decode steps. Returns each request's generated ids and the logits of every step.
+    `lora_uids`: each request's LoRA adapter (its load id in `runner.lora`; None: none)."""
     device = runner.device
     width = max(len(p) for p in prompts) + steps + 1
     slots = [list(range(1 + width * i, 1 + width * (i + 1))) for i in range(len(prompts))]
@@ -54,6 +59,7 @@ def greedy_steps(
             ForwardMode.EXTEND, ids, [done[i] for i in live], [ext[i] for i in live], [slots[i] for i in live], device
         )
         fb.req_pool_indices = torch.tensor(live, device=device)
+        fb.lora_uids = None if lora_uids is None else [lora_uids[i] for i in live]
         logits = runner.forward(fb).next_token_logits
         for j, i in enumerate(live):
             done[i] += ext[i]
@@ -68,6 +74,7 @@ def greedy_steps(
         fb = ForwardBatch.for_rows(
             ForwardMode.DECODE, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], [1] * len(seqs), slots, device
         )
+        fb.lora_uids = lora_uids
         # A clone: under CUDA graphs the logits are a view that the next replay overwrites.
         out_logits.append(runner.forward(fb).next_token_logits.clone())
     return generated, out_logits

@@ -24,6 +24,7 @@ rows (decode) multiply those (`tandem.layers.quantization.gguf_linear`, backend 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from tandem.layers.quantization.gguf_linear import (
 )
 from tandem.layers.weight_shard import read_shard, read_whole
 
+if TYPE_CHECKING:
+    from tandem.lora.batch import LoraBatch
+
 
 def divide(total: int, tp_size: int, what: str) -> int:
     """`total / tp_size`, or ValueError naming `what` when tp_size does not divide it."""
@@ -55,6 +59,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         for p in (self.weight, self.bias):
@@ -65,6 +70,7 @@ class LinearBase(nn.Module):
         self.gguf_parts: list[BlockPart] = []  # where the weight's rows came from, for GGUF
         self.dequantized_types: set[str] = set()
         self.quantized_at_load: str | None = None  # the --quantization method, where it applied
+        self.lora_slots = None  # this layer's LoRA weights per slot (`tandem.lora.pool`), when a target
 
     def keep_blocks(
         self, loaded, dest_row: int, row_start: int, rows: int, col_start: int = 0, cols: int | None = None
@@ -113,8 +119,10 @@ class LinearBase(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight, self._kernel_bias())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: the forward's adapters (`tandem.lora.batch`), whose deltas are added."""
+        out = self.matmul(x)
+        return out if lora is None else lora.add_delta(self, x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
@@ -138,8 +146,11 @@ class RowParallelLinear(LinearBase):
     def _kernel_bias(self) -> torch.Tensor | None:
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """A LoRA delta is this rank's part too (A split on the input): all-reduced with the output."""
         out = self.matmul(x)
+        if lora is not None:
+            out = lora.add_delta(self, x, out)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out + self.bias if self.bias is not None else out

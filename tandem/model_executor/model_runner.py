@@ -24,6 +24,7 @@ from tandem.layers.attention.registry import create_attention_backend, torch_com
 from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
+from tandem.lora.manager import LoraManager
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.model_executor.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner, capture_batch_sizes
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
@@ -154,6 +155,7 @@ class ModelRunner:
         if server_args.enable_torch_compile and tp_rank == 0:
             logger.info(torch_compile_note(self.attn_backend, server_args.attention_backend))
         self.ctx = ModelContext(self.token_to_kv_pool, self.attn_backend)
+        self.lora = LoraManager(self.model, server_args, self.dtype, self.device) if server_args.enable_lora else None
         self.cuda_graph_runner = self._init_cuda_graphs()
         self.sampler = Sampler(server_args.random_seed, self.device)
 
@@ -232,6 +234,8 @@ class ModelRunner:
             logger.error("weight update %s failed: %s", what, error)
             return False, f"Failed to update weights: {error}. The old weights are kept."
         self.weight_source, self.model = new
+        if self.lora is not None:  # the new model's layers read the same adapter slots
+            self.lora.pool.attach(self.model)
         if self.cuda_graph_runner is not None:  # the graphs hold the old parameters
             self.cuda_graph_runner.capture()
         return True, "Succeeded to update model weights."
@@ -284,6 +288,8 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora is not None:
+            return self.model(fb, self.ctx.with_lora(self.lora.batch_for(fb.lora_uids, fb.extend_lens_cpu)))
         return self.model(fb, self.ctx)
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
@@ -291,6 +297,9 @@ class ModelRunner:
         rank, and not --disable-cuda-graph."""
         args = self.server_args
         if not self.device.startswith("cuda") or args.disable_cuda_graph:
+            return None
+        if args.enable_lora:
+            logger.info("CUDA graphs off: --enable-lora (the adapters' segments change every batch)")
             return None
         if not self.attn_backend.supports_cuda_graph or self.tp_size > 1:
             logger.info("CUDA graphs off: they need --attention-backend triton and --tp-size 1")

@@ -28,7 +28,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.models.context import ModelContext
 from tandem.sglang_flags import QUANTIZE_AT_LOAD
+
+if TYPE_CHECKING:
+    from tandem.lora.batch import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +148,7 @@ class Attention(nn.Module):
 
     def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, ctx: ModelContext):
         """`cos_sin`: the batch's tokens' rotation, `RotaryEmbedding.lookup(positions)`."""
-        qkv = self.qkv_proj.forward(hidden)
+        qkv = self.qkv_proj.forward(hidden, ctx.lora)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -167,7 +170,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             logit_cap=self.logit_cap,
         )
-        return self.o_proj.forward(out)
+        return self.o_proj.forward(out, ctx.lora)
 
 
 class GatedMLP(nn.Module):
@@ -181,8 +184,9 @@ class GatedMLP(nn.Module):
         self.activation = activation
         self.act_fn = ACTIVATIONS[activation]()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: the forward's adapters (`ModelContext.lora`), whose deltas the projections add."""
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -266,6 +270,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.forward(hidden, residual)
         hidden = self.self_attn.forward(cos_sin, hidden, fb, ctx)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        if ctx.lora is not None and isinstance(self.mlp, GatedMLP):
+            return self.mlp.forward(hidden, ctx.lora), residual
         return self.mlp.forward(hidden), residual
 
 
@@ -314,8 +320,11 @@ class DecoderModel(nn.Module):
     def _fused_decode_tables(hidden, cos_sin, fb, ctx):
         """The attention tables for `DecoderLayer.forward_fused` when this forward may run
         its layers so: a plain decode on the C++ CPU kernels, of rows few enough for the
-        quantized matmuls (`QUANT_MAX_ROWS`), the pool, rotation and activations in one dtype."""
+        quantized matmuls (`QUANT_MAX_ROWS`), the pool, rotation and activations in one dtype,
+        and no LoRA adapter in the batch."""
         if fb.batch_size > QUANT_MAX_ROWS or hidden.dim() != 2 or fb.out_cache_loc.dtype != torch.int64:
+            return None
+        if ctx.lora is not None:  # the fused layer adds no LoRA delta
             return None
         if not (hidden.dtype == cos_sin.dtype == ctx.kv_pool.dtype) or not hidden.is_cpu:
             return None

@@ -97,7 +97,7 @@ class GemmaDecoderLayer(nn.Module):
         hidden = self.self_attn.forward(cos_sin, hidden, fb, ctx)
         hidden = self.post_attention_layernorm.forward(hidden)
         hidden, residual = self.pre_feedforward_layernorm.forward(hidden, residual)
-        hidden = self.post_feedforward_layernorm.forward(self.mlp.forward(hidden))
+        hidden = self.post_feedforward_layernorm.forward(self.mlp.forward(hidden, ctx.lora))
         return hidden, residual
 
 

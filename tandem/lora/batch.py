@@ -1,0 +1,52 @@
+"""`LoraBatch`: which adapter slot each token of a forward uses, laid out for segmented
+matmuls, and the delta every target layer adds (`LinearBase.forward(x, lora)`).
+
+Built once per forward from the requests' slots (-1: no adapter): the tokens of each
+slot in use form one segment, padded to the longest, so a layer's delta is two batched
+matmuls over [segments, longest, ...] whatever the mix of requests (the idea of SGLang's
+and punica's segmented kernels; no loop over requests or adapters per layer). Tokens of
+no adapter are in no segment and cost nothing; padding rows are masked to zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.linear import LinearBase
+
+
+@dataclass
+class LoraBatch:
+    slots: torch.Tensor  # [n] the slot of each segment
+    token_index: torch.Tensor  # [n, longest] the tokens of each segment (padding: token 0)
+    mask: torch.Tensor  # [n, longest, 1] 1 for a real token, 0 for padding (model dtype)
+
+    @classmethod
+    def build(cls, req_slots: list[int], extend_lens: list[int], dtype, device) -> LoraBatch | None:
+        """The layout for requests whose slots are `req_slots` (-1: none), computing
+        `extend_lens[i]` tokens each; None when no request uses an adapter."""
+        if all(s < 0 for s in req_slots):
+            return None
+        per_token = torch.repeat_interleave(torch.tensor(req_slots), torch.tensor(extend_lens))
+        used = sorted({s for s in req_slots if s >= 0})
+        groups = [torch.nonzero(per_token == s).flatten() for s in used]
+        longest = max(g.numel() for g in groups)
+        index = torch.zeros(len(used), longest, dtype=torch.int64)
+        mask = torch.zeros(len(used), longest, 1, dtype=dtype)
+        for i, g in enumerate(groups):  # one per adapter in use, at batch-building time
+            index[i, : g.numel()] = g
+            mask[i, : g.numel()] = 1
+        return cls(torch.tensor(used, device=device), index.to(device), mask.to(device))
+
+    def add_delta(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base layer's output for `x`) plus each token's adapter delta, when
+        `layer` is a LoRA target (in place)."""
+        w = layer.lora_slots
+        if w is None:
+            return out
+        xs = x[self.token_index]  # [n, longest, in]
+        h = torch.bmm(xs, w.a[self.slots].transpose(1, 2)) * self.mask  # [n, longest, P*R]
+        delta = torch.bmm(h, w.b[self.slots].transpose(1, 2))  # [n, longest, out]
+        return out.index_add_(0, self.token_index.flatten(), delta.reshape(-1, out.shape[-1]))
