@@ -2,7 +2,12 @@
 
 :func:`write_gguf` writes what llama.cpp's ``convert_hf_to_gguf.py`` writes for such a
 directory (its ``LlamaModel``, ``Qwen2Model`` and ``Qwen3Model`` paths), through gguf-py's
-``GGUFWriter``:
+``GGUFWriter``; and, without a tokenizer, for a directory of the other families'
+transformers models (``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel``,
+``Qwen2MoeModel``, ``Qwen3MoeModel``, and ``LlamaModel`` for Mixtral): their metadata
+(:func:`write_family_metadata`: soft-caps, window, rotary width, expert counts and
+sizes), each expert's matrices stacked ``[experts, out, in]`` (:func:`stack_experts`),
+Gemma's norms stored as ``1 + w``, Phi-3's longrope factors as tensors:
 
 * metadata: ``general.architecture`` (llama / qwen2 / qwen3), ``general.type``,
   ``general.name``, ``general.file_type``, ``general.quantization_version``; the
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -70,7 +76,21 @@ FILE_TYPES = {
     "Q6_K": FT.MOSTLY_Q6_K,
 }
 
-MODEL_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+MODEL_ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's LlamaModel converts Mixtral
+}
+# The families whose Q/K rows llama.cpp permutes (its LlamaModel path).
+PERMUTED = ("llama", "mixtral")
+# One expert's matrix in a Hugging Face checkpoint: llama.cpp stacks them over the experts.
+EXPERT_RE = re.compile(r"^(?P<head>.*\.experts)\.(?P<expert>\d+)\.(?P<tail>.*)$")
 
 # llama.cpp's name for Qwen2's pre-tokenizer regex (convert_hf_to_gguf's hash table maps
 # Qwen1.5/Qwen2/Qwen3 tokenizers to it); the tiny byte-level tokenizer uses that regex.
@@ -137,9 +157,15 @@ def gguf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     factors = llama3_rope_factors(config)
     if factors is not None:  # LlamaModel.generate_extra_tensors writes them first
         out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = factors
+    out.update(longrope_factors(config))
+    hf = stack_experts(hf)
     for hf_name in sorted(hf, key=key):  # stable: the safetensors order within a block
         data = hf[hf_name].astype(np.float32)
-        if model_type == "llama":
+        if model_type.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + 1  # Gemma*Model.modify_tensors: llama.cpp's RMSNorm multiplies by the weight
+        if hf_name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is {n_embd}
+        if model_type in PERMUTED:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 data = permute(data, n_head, n_head)
             if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -151,22 +177,74 @@ def gguf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-def as_mixture_of_experts(tensors: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:
-    """Mixtral's tensors as llama.cpp's converter writes them (its ``LlamaModel`` path: the
-    file says ``general.architecture`` "llama"): per block the router ``ffn_gate_inp``
-    [experts, hidden] and each MLP matrix stacked over the experts,
-    ``ffn_{gate,up,down}_exps`` [experts, out, in] (here copies of the dense matrix), in
-    place of ``ffn_{gate,up,down}``."""
+def stack_experts(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint with each expert's matrices stacked over the experts as llama.cpp's
+    converters write them ([experts, out, in] under the name without the expert number:
+    `mlp.experts.gate_proj`, `block_sparse_moe.experts.w1`, which gguf-py maps to
+    `ffn_gate_exps`), in the place of the first expert's."""
+    groups: dict[str, dict[int, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
-    for name, data in tensors.items():
-        base = name.rpartition(".")[0]
-        if base.rpartition(".")[2] not in ("ffn_gate", "ffn_up", "ffn_down"):
+    for name, data in hf.items():
+        m = EXPERT_RE.match(name)
+        if m is None:
             out[name] = data
             continue
-        if base.endswith("ffn_gate"):
-            out[f"{base}_inp.weight"] = np.zeros((experts, data.shape[1]), dtype=np.float32)
-        out[f"{base}_exps.weight"] = np.ascontiguousarray(np.stack([data] * experts))
+        stacked = f"{m['head']}.{m['tail']}"
+        if stacked not in groups:
+            groups[stacked] = {}
+            out[stacked] = None  # its place in the order
+        groups[stacked][int(m["expert"])] = data
+    for name, experts in groups.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
     return out
+
+
+def longrope_factors(config: dict) -> dict[str, np.ndarray]:
+    """Phi-3's longrope factors as tensors (Phi3MiniModel.generate_extra_tensors), if any."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not scaling.get("long_factor"):
+        return {}
+    return {
+        "rope_factors_long.weight": np.array(scaling["long_factor"], dtype=np.float32),
+        "rope_factors_short.weight": np.array(scaling["short_factor"], dtype=np.float32),
+    }
+
+
+def rope_theta(config: dict) -> float:
+    """The (global layers') RoPE base of a config in either transformers form."""
+    params = config.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
+    return float(config.get("rope_theta") or params.get("rope_theta", 10000.0))
+
+
+def write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
+    """What the family's converter adds to TextModel's hyperparameters (Gemma2Model,
+    Gemma3Model, Phi3MiniModel, Qwen2MoeModel, Qwen3MoeModel, LlamaModel for Mixtral)."""
+    model_type = config["model_type"]
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+    elif model_type == "gemma3_text":
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+    elif model_type == "phi3":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(int(config.get("partial_rotary_factor", 1.0) * head_dim))
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if longrope_factors(config):
+            scale = config["max_position_embeddings"] / config["original_max_position_embeddings"]
+            attn = math.sqrt(1 + math.log(scale) / math.log(config["original_max_position_embeddings"]))
+            writer.add_rope_scaling_attn_factors(attn if scale > 1 else 1.0)
+    if "num_experts" in config or "num_local_experts" in config:
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 # ----------------------------------------------------------------------------- quantizers
@@ -452,7 +530,6 @@ def write_gguf(
     split: int | None = None,
     unsupported: Mapping[str, str] | None = None,
     alignment: int | None = None,
-    experts: int | None = None,
 ) -> Path:
     """Write ``model_dir`` (a make_tiny_model directory) as GGUF; return the file's path.
 
@@ -467,8 +544,6 @@ def write_gguf(
     names (2-D weights) to another ggml type name to write them in (e.g.
     ``{"blk.0.ffn_up.weight": "IQ4_NL"}``): any type gguf-py can quantize, or IQ4_NL.
     ``alignment``: a ``general.alignment`` other than the default 32 (tensor data aligned to it).
-    ``experts=N``: a Mixtral-style mixture-of-experts file of N experts
-    (:func:`as_mixture_of_experts`; ``{arch}.expert_count``, ``expert_used_count``).
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     if tensor_type not in SUPPORTED_TYPES:
@@ -479,8 +554,6 @@ def write_gguf(
         raise ValueError(f"unknown model_type {model_type!r}")
     arch_name = architecture or gguf.MODEL_ARCH_NAMES[MODEL_ARCHS[model_type]]
     tensors = gguf_tensors(model_dir)
-    if experts:
-        tensors = as_mixture_of_experts(tensors, experts)
     unsupported = dict(unsupported or {})
     if missing := set(unsupported) - {n for n, t in tensors.items() if t.ndim == 2}:
         raise ValueError(f"unsupported= names no 2-D weight: {sorted(missing)}")
@@ -498,7 +571,8 @@ def write_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    if model_type != "gemma2":  # Gemma2Model writes none (llama.cpp's default base, 10000)
+        writer.add_rope_freq_base(rope_theta(config))
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) in ("linear", "yarn"):  # as LlamaModel/Qwen2Model write them
         writer.add_rope_scaling_type(gguf.RopeScalingType(scaling.get("rope_type", scaling.get("type"))))
@@ -510,7 +584,8 @@ def write_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(FILE_TYPES[tensor_type])
-    if model_type == "llama":
+    write_family_metadata(writer, config)
+    if model_type in PERMUTED:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim or config["hidden_size"] // config["num_attention_heads"])
     if tokenizer:
@@ -518,9 +593,6 @@ def write_gguf(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if alignment is not None:
         writer.add_custom_alignment(alignment)
-    if experts:
-        writer.add_expert_count(experts)
-        writer.add_expert_used_count(min(2, experts))
 
     names = list(tensors)
     starts = set()

@@ -12,8 +12,9 @@ expert), the outputs weighted and scatter-added back to their tokens (`index_add
 `FusedMoE` holds every expert's weights stacked, in transformers 5's layout and names:
 `gate_up_proj` [E, 2 * I, H] (gate rows first) and `down_proj` [E, H, I]. Checkpoints
 store one tensor per expert and projection (`experts.N.gate_proj` / `w1`, ...); the
-weight loader takes those (shard id `(N, "gate"|"up"|"down")`) or the stacked 3-D tensor
-(shard id None). Under tensor parallelism each rank holds a slice of every expert's
+weight loader takes those (shard id `(N, "gate"|"up"|"down")`), the stacked 3-D tensor
+(shard id None), or one projection of every expert stacked [E, out, in] as GGUF files
+hold them (`(None, "gate"|"up"|"down")`; a quantized file's blocks are kept per expert). Under tensor parallelism each rank holds a slice of every expert's
 intermediate dimension (gate/up rows, down columns): the layer returns partial sums and
 its caller all-reduces once (`reduce=True` does it here).
 
@@ -33,7 +34,13 @@ from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.linear import divide
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QuantLinearKernel, quantize_dense
+from tandem.layers.quantization.gguf_linear import (
+    QUANT_MAX_ROWS,
+    BlockPart,
+    QuantLinearKernel,
+    is_gguf_tensor,
+    quantize_dense,
+)
 from tandem.layers.weight_shard import read_shard
 
 
@@ -144,6 +151,8 @@ class FusedMoE(nn.Module):
             p.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
         self.kernels: tuple[list[LinearKernel], list[LinearKernel]] | None = None
+        # where each expert's gate/up and down weights came from in a GGUF file (`BlockPart`s)
+        self.gguf_parts: tuple[list[list[BlockPart]], ...] = tuple([[] for _ in range(num_experts)] for _ in "gd")
 
     def process_weights_after_loading(self, backend: str, quantization: str | None = None) -> None:
         """Each expert's two matmuls on `backend`'s kernel (`make_linear_kernel`: oneDNN's
@@ -153,10 +162,13 @@ class FusedMoE(nn.Module):
         type where its input width is a whole number of blocks (as `LinearBase` does): the
         dense kernel multiplies the dequantized values, and with `auto` an expert's slice of
         at most `QUANT_MAX_ROWS` tokens the blocks (Tandem's C++ kernel). `quantized`: how
-        many of the 2 * E projections were."""
-        self.kernels, self.quantized = None, 0
+        many of the 2 * E projections were. Experts loaded from a GGUF file's quantized
+        stacks keep that file's blocks so, with `auto`, where the type has a layout
+        (`QuantLinearKernel.build`, as a dense linear's); `on_file_blocks`: how many."""
+        self.kernels, self.quantized, self.on_file_blocks = None, 0, 0
         per_proj = []
-        for param in (self.gate_up_proj, self.down_proj):
+        gguf_parts, self.gguf_parts = self.gguf_parts, tuple([[] for _ in range(self.num_experts)] for _ in "gd")
+        for param, parts in zip((self.gate_up_proj, self.down_proj), gguf_parts):
             kernels = []
             for e in range(self.num_experts):
                 weight = param.data[e]
@@ -167,6 +179,9 @@ class FusedMoE(nn.Module):
                     self.quantized += 1
                     if backend == "auto":
                         quant = QuantLinearKernel.from_packed(packed, weight, None)
+                elif backend == "auto":  # a GGUF file's blocks, where they have a layout
+                    quant = QuantLinearKernel.build(parts[e], weight, None)
+                    self.on_file_blocks += quant is not None
                 dense = make_linear_kernel(weight, None, backend)
                 kernels.append(_rows_dispatch(quant, dense, weight) if quant is not None else dense)
             per_proj.append(kernels)
@@ -189,11 +204,31 @@ class FusedMoE(nn.Module):
                 param.data[:, i:].copy_(read_shard(loaded, 1, full + start, i))
             return
         expert, kind = shard_id
+        if expert is None:  # this projection of every expert, stacked [E, out, in]
+            offset = 0 if kind != "up" else i
+            dest = param.data if kind == "down" else param.data[:, offset : offset + i]
+            dest.copy_(read_shard(loaded, 2 if kind == "down" else 1, start, i))
+            if is_gguf_tensor(loaded):
+                for e in range(self.num_experts):
+                    self._keep_blocks(e, kind, loaded.part(e))
+            return
         if kind == "down":
             param.data[expert].copy_(read_shard(loaded, 1, start, i))
         else:
             offset = 0 if kind == "gate" else i
             param.data[expert, offset : offset + i].copy_(read_shard(loaded, 0, start, i))
+        if is_gguf_tensor(loaded):
+            self._keep_blocks(expert, kind, loaded)
+
+    def _keep_blocks(self, expert: int, kind: str, loaded) -> None:
+        """Note where expert `expert`'s `kind` rows (or, for down, columns) came from in a
+        GGUF file (`loaded`: that expert's 2-D tensor), for its quantized kernel."""
+        i, start = self.intermediate, self.tp_rank * self.intermediate
+        if kind == "down":
+            part = BlockPart(0, loaded, 0, loaded.shape[0], start, i)
+        else:
+            part = BlockPart(0 if kind == "gate" else i, loaded, start, i, 0, loaded.shape[1])
+        self.gguf_parts[0 if kind != "down" else 1][expert].append(part)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.act_fn, self.kernels)

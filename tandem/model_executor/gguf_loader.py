@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tandem.layers.weight_shard import CheckpointTensor
+
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # Types dequantized at load (to the serving dtype); any other stops the start.
@@ -52,14 +54,29 @@ class Family:
     architecture: str  # the Hugging Face class, in models/registry.ARCHITECTURES
     model_type: str
     permute_qk: bool  # llama.cpp's converter permuted Q/K rows for its rotary layout
+    layer_names: tuple[tuple[str, str], ...] = ()  # this family's own llama.cpp -> Hugging Face layer names
+    norm_plus_one: bool = False  # the converter stored Gemma's RMSNorm weights as 1 + w
 
 
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feedforward one there.
+GEMMA_NAMES = (
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
 # general.architecture -> family; a family that Tandem adds comes with its GGUF name.
+# Mixtral's files say "llama" with expert tensors (`GGUFMetadata` tells them apart).
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", "llama", permute_qk=True),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", permute_qk=False),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", permute_qk=False),
+    "gemma2": Family("Gemma2ForCausalLM", "gemma2", permute_qk=False, layer_names=GEMMA_NAMES, norm_plus_one=True),
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", permute_qk=False, layer_names=GEMMA_NAMES, norm_plus_one=True),
+    "phi3": Family("Phi3ForCausalLM", "phi3", permute_qk=False),
+    "qwen2moe": Family("Qwen2MoeForCausalLM", "qwen2_moe", permute_qk=False),
+    "qwen3moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", permute_qk=False),
 }
+MIXTRAL = Family("MixtralForCausalLM", "mixtral", permute_qk=True)
 
 # llama.cpp tensor names -> Hugging Face names (blk.N.<part> -> model.layers.N.<part>).
 GLOBAL_NAMES = {
@@ -72,17 +89,29 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v (split at load)
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
+    "ffn_up": "mlp.up_proj",  # Phi-3's holds gate and up (split at load)
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, every expert's matrix stacked [experts, out, in]
+    # (`FusedMoE` takes the stacks whole), the shared expert and its gate (Qwen2-MoE)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Tensors a converter writes that the model does not take as weights (rope_freqs: the
-# rotary frequency divisors of Llama 3.x scaling, read into the config instead).
-SKIPPED_TENSORS = {"rope_freqs.weight"}
+# Tensors a converter writes that the model does not take as weights, read into the
+# config instead: rope_freqs (the rotary frequency divisors of Llama 3.x scaling) and
+# Phi-3's longrope factors.
+SKIPPED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def is_gguf_path(path: str) -> bool:
@@ -165,13 +194,10 @@ class GGUFMetadata:
                 f"(supported: {', '.join(sorted(FAMILIES))})"
             )
         self.family = FAMILIES[self.arch]
-        experts = self.arch_value("expert_count") or 0
-        if experts:  # Mixtral's files say "llama" too
-            raise ValueError(
-                f"--model-path: the GGUF file is a mixture-of-experts model ({self.arch}.expert_count "
-                f"{experts}), which Tandem cannot load"
-            )
+        if self.arch == "llama" and self.arch_value("expert_count"):  # Mixtral's files say "llama" too
+            self.family = MIXTRAL
         self.tensors = [t for r in self.readers for t in r.tensors]
+        self.tensor_by_name = {t.name: t for t in self.tensors}
         for t in self.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ValueError(
@@ -180,11 +206,15 @@ class GGUFMetadata:
                     f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
             # Here, not at load: a file that cannot load stops the start in one line.
-            if t.name not in SKIPPED_TENSORS and hf_name(t.name) is None:
+            if t.name not in SKIPPED_TENSORS and hf_name(t.name, self.family) is None:
                 raise ValueError(f"--model-path: unexpected tensor {t.name!r} in the GGUF file")
 
     def arch_value(self, key: str, default=None):
         return field_value(self.reader, f"{self.arch}.{key}", default)
+
+    def head_dim(self) -> int:
+        heads = int(self.arch_value("attention.head_count"))
+        return int(self.arch_value("attention.key_length", int(self.arch_value("embedding_length")) // heads))
 
     def tensor_types(self) -> dict[str, int]:
         """How many tensors of each GGUF type the file holds."""
@@ -208,7 +238,7 @@ class GGUFMetadata:
             "num_hidden_layers": int(self.arch_value("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.arch_value("attention.head_count_kv", heads)),
-            "head_dim": int(self.arch_value("attention.key_length", hidden // heads)),
+            "head_dim": self.head_dim(),
             "max_position_embeddings": int(self.arch_value("context_length", 2048)),
             "rms_norm_eps": float(self.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self.arch_value("rope.freq_base", 10000.0)),
@@ -225,6 +255,7 @@ class GGUFMetadata:
         scaling = self.rope_scaling()
         if scaling:
             config["rope_scaling"] = scaling
+        self.add_family_config(config)
         factors = next((t for t in self.tensors if t.name == "rope_freqs.weight"), None)
         if factors is not None:  # Llama 3.x scaling, as llama.cpp's converter stores it
             config["rope_freq_factors"] = [float(f) for f in gguf.quants.dequantize(factors.data, factors.tensor_type)]
@@ -233,6 +264,96 @@ class GGUFMetadata:
             if value is not None:
                 config[key.replace("padding", "pad")] = int(value)
         return config
+
+    def add_family_config(self, config: dict) -> None:
+        """The config fields of the family's own features, from its metadata keys and what
+        llama.cpp fixes for the family where the file says nothing."""
+        kind = self.family.model_type
+        if kind in ("gemma2", "gemma3_text"):
+            self.add_gemma_config(config)
+        elif kind == "phi3":
+            self.add_phi3_config(config)
+        if self.arch_value("expert_count"):
+            self.add_moe_config(config)
+        has_bias = "blk.0.attn_q.bias" in self.tensor_by_name
+        config["qkv_bias" if kind == "qwen2_moe" else "attention_bias"] = has_bias
+
+    def add_gemma_config(self, config: dict) -> None:
+        """Gemma 2/3: soft-caps and window from the metadata; as llama.cpp: the sliding
+        layers every other one (Gemma 2) or five of six (Gemma 3) unless the file gives its
+        `sliding_window_pattern`, the scores scaled by head_dim ** -0.5 except on the 27B
+        models ((hidden / heads) ** -0.5; their layer counts, 46 and 62, tell them), Gemma
+        3's sliding layers rotating with base 10000."""
+        gemma2 = self.family.model_type == "gemma2"
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        window = int(self.arch_value("attention.sliding_window", 0) or 0)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = self.arch_value(key)
+            config[key] = float(value) if value else None
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["sliding_window"] = window or None
+        large = layers == (46 if gemma2 else 62)
+        config["query_pre_attn_scalar"] = config["hidden_size"] // heads if large else config["head_dim"]
+        pattern = self.arch_value("attention.sliding_window_pattern", 2 if gemma2 else 6)
+        sliding = (
+            [bool(p) for p in pattern]
+            if isinstance(pattern, list)
+            else [i % pattern < pattern - 1 for i in range(layers)]
+        )
+        config["layer_types"] = ["sliding_attention" if s and window else "full_attention" for s in sliding]
+        if not gemma2:  # transformers 5's per-layer-type RoPE
+            full = {"rope_type": "default", **(config.pop("rope_scaling", None) or {})}
+            full["rope_theta"] = config.pop("rope_theta")
+            config["rope_parameters"] = {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            }
+
+    def add_phi3_config(self, config: dict) -> None:
+        """Phi-3: window and rotary width from the metadata, the 128k models' longrope
+        factors from their tensors (`rope_factors_long` / `_short`)."""
+        window = int(self.arch_value("attention.sliding_window", 0) or 0)
+        config["sliding_window"] = window or None
+        rope_dims = int(self.arch_value("rope.dimension_count", config["head_dim"]))
+        if rope_dims != config["head_dim"]:
+            config["partial_rotary_factor"] = rope_dims / config["head_dim"]
+        original = self.arch_value("rope.scaling.original_context_length")
+        if original:
+            config["original_max_position_embeddings"] = int(original)
+        long, short = (self.tensor_by_name.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+        if long is not None and short is not None:
+            config["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": [float(f) for f in gguf.quants.dequantize(long.data, long.tensor_type)],
+                "short_factor": [float(f) for f in gguf.quants.dequantize(short.data, short.tensor_type)],
+            }
+
+    def add_moe_config(self, config: dict) -> None:
+        """Mixtral, Qwen2-MoE, Qwen3-MoE: expert counts and sizes from the metadata; a layer
+        without a router (`ffn_gate_inp`) is dense (`mlp_only_layers`); the top-k weights
+        renormalized as llama.cpp does (`expert_weights_norm`, else Qwen3-MoE yes and
+        Qwen2-MoE no)."""
+        kind = self.family.model_type
+        experts = int(self.arch_value("expert_count"))
+        config["num_experts_per_tok"] = int(self.arch_value("expert_used_count"))
+        if kind == "mixtral":
+            config["num_local_experts"] = experts
+            config["sliding_window"] = None
+            return
+        down = next(t for t in self.tensors if t.name.endswith(".ffn_down_exps.weight"))
+        config["num_experts"] = experts
+        config["moe_intermediate_size"] = int(self.arch_value("expert_feed_forward_length", down.shape[0]))
+        layers = config["num_hidden_layers"]
+        config["mlp_only_layers"] = [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_by_name
+        ]
+        config["decoder_sparse_step"] = 1
+        norm = self.arch_value("expert_weights_norm")
+        config["norm_topk_prob"] = bool(norm) if norm is not None else kind == "qwen3_moe"
+        shared = next((t for t in self.tensors if t.name.endswith(".ffn_down_shexp.weight")), None)
+        if shared is not None:
+            size = self.arch_value("expert_shared_feed_forward_length", shared.shape[0])
+            config["shared_expert_intermediate_size"] = int(size)
 
     def rope_scaling(self) -> dict | None:
         kind = self.arch_value("rope.scaling.type")
@@ -337,6 +458,10 @@ class GGUFWeight:
             values = values.copy()
         return torch.from_numpy(values).reshape(-1, *self.shape[1:])
 
+    def part(self, index: int) -> GGUFWeight:
+        """Entry `index` of a stacked tensor (one expert's matrix of [experts, out, in]), still in blocks."""
+        return GGUFWeight(self.blocks[index], self.qtype, self.shape[1:])
+
     def __getitem__(self, index) -> torch.Tensor:
         """A row slice of a matrix dequantizes only those rows (a tensor-parallel rank's
         shard of the embedding, the head, a column-split layer), as a safetensors slice
@@ -354,15 +479,49 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     return rows.reshape(n_head, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: Family) -> str | None:
     """The Hugging Face parameter name of a llama.cpp tensor name (None: not a weight)."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    names = {**LAYER_NAMES, **dict(family.layer_names)}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return None
+
+
+def split_rows(weight: GGUFWeight, parts: list[tuple[str, int]]) -> Iterator[tuple[str, GGUFWeight]]:
+    """A fused tensor's row ranges as tensors of their own: `parts` (name, rows) in row
+    order. Rows of blocks stay blocks."""
+    start = 0
+    for name, rows in parts:
+        yield name, GGUFWeight(weight.blocks[start : start + rows], weight.qtype, (rows, *weight.shape[1:]))
+        start += rows
+
+
+def family_tensors(meta: GGUFMetadata, name: str, weight: GGUFWeight) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(Hugging Face name, tensor) of one file tensor as the family's model loads it:
+    Gemma's stored `1 + w` norms back to `w` (its RMSNorm adds the 1), Phi-3's fused
+    q/k/v and gate/up rows split into their parts (so that each keeps its blocks, and a
+    tensor-parallel rank reads its own heads), Qwen2-MoE's shared-expert gate as the
+    [1, hidden] matrix it is."""
+    if meta.family.norm_plus_one and name.endswith("norm.weight"):
+        yield name, weight.dequantize() - 1.0
+    elif name.endswith(".self_attn.qkv_proj.weight"):
+        head_dim = meta.head_dim()
+        q = int(meta.arch_value("attention.head_count")) * head_dim
+        kv = (weight.shape[0] - q) // 2
+        prefix = name.removesuffix("qkv_proj.weight")
+        yield from split_rows(weight, [(f"{prefix}{p}_proj.weight", n) for p, n in (("q", q), ("k", kv), ("v", kv))])
+    elif meta.family.model_type == "phi3" and name.endswith(".mlp.up_proj.weight"):
+        inter = weight.shape[0] // 2
+        prefix = name.removesuffix("up_proj.weight")
+        yield from split_rows(weight, [(f"{prefix}gate_proj.weight", inter), (f"{prefix}up_proj.weight", inter)])
+    elif name.endswith(".mlp.shared_expert_gate.weight") and len(weight.shape) == 1:
+        yield name, GGUFWeight(weight.blocks.reshape(1, -1), weight.qtype, (1, weight.shape[0]))
+    else:
+        yield name, weight
 
 
 def iterate_gguf_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, GGUFWeight]]:
@@ -374,9 +533,9 @@ def iterate_gguf_weights(path: str, show_progress: bool = True) -> Iterator[tupl
     for t in tqdm(meta.tensors, desc="Loading GGUF tensors", disable=not show_progress, unit="tensor"):
         if t.name in SKIPPED_TENSORS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, meta.family)
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
         blocks = t.data
         if meta.family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
             blocks = _unpermute_rows(blocks, heads if ".attn_q." in t.name else kv_heads)
-        yield name, GGUFWeight(blocks, t.tensor_type, shape)
+        yield from family_tensors(meta, name, GGUFWeight(blocks, t.tensor_type, shape))

@@ -41,8 +41,10 @@ MOE_STACKED_PARAMS: tuple[StackedParam, ...] = DENSE_STACKED_PARAMS + (
 )
 
 # One expert's projection in a checkpoint -> (stacked parameter, the loader's part).
+# Without an expert number: one projection of every expert stacked [E, out, in] (GGUF's
+# `ffn_{gate,up,down}_exps`, named so by `gguf_loader`).
 _EXPERT_NAME = re.compile(
-    r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?:(?P<expert>\d+)\.)?"
     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _EXPERT_PART = {
@@ -55,13 +57,14 @@ _EXPERT_PART = {
 }
 
 
-def expert_param_target(name: str) -> tuple[str, tuple[int, str]] | None:
-    """(stacked expert parameter, (expert, part)) for a per-expert checkpoint name."""
+def expert_param_target(name: str) -> tuple[str, tuple[int | None, str]] | None:
+    """(stacked expert parameter, (expert, part)) for a per-expert checkpoint name; expert
+    None for one projection of all experts stacked."""
     m = _EXPERT_NAME.match(name)
     if m is None:
         return None
     param, part = _EXPERT_PART[m["proj"]]
-    return f"{m['prefix']}.mlp.experts.{param}", (int(m["expert"]), part)
+    return f"{m['prefix']}.mlp.experts.{param}", (None if m["expert"] is None else int(m["expert"]), part)
 
 
 class SparseMoeBlock(nn.Module):

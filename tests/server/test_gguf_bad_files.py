@@ -86,12 +86,6 @@ def test_unsupported_tensor_type(tiny_llama_gguf_dir, tmp_path):
     assert_one_line_error(bad, "'blk.0.ffn_up.weight'", "IQ4_NL")
 
 
-def test_mixture_of_experts_file(tiny_llama_gguf_dir, tmp_path):
-    """llama.cpp writes Mixtral as general.architecture "llama", with expert tensors."""
-    bad = write_gguf(tiny_llama_gguf_dir, tmp_path / "moe.gguf", "F32", experts=2)
-    assert_one_line_error(bad, "mixture-of-experts", "llama.expert_count 2")
-
-
 def test_no_tokenizer_metadata_and_no_tokenizer_path(tiny_llama_gguf_dir, tmp_path):
     bad = write_gguf(tiny_llama_gguf_dir, tmp_path / "notok.gguf", "F32", tokenizer=False)
     assert_one_line_error(bad, "no tokenizer metadata", "--tokenizer-path")
