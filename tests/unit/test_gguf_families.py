@@ -27,7 +27,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.moe import FusedMoE
-from tandem.model_executor.model_loader import load_config
+from tandem.model_executor.gguf_loader import iterate_gguf_weights
+from tandem.model_executor.model_loader import iterate_weights, load_config
+from tandem.models.registry import resolve_model_class
 
 PROMPTS = [[2, 5, 9, 13, 7, 7, 3, 11, 4, 30], [2, 8], list(range(1, 30))]
 STEPS = 5
@@ -224,3 +226,31 @@ def test_config_from_metadata(model_dirs, tmp_path, family):
     for key in keys:
         if hasattr(source, key):
             assert getattr(ours, key) == getattr(source, key), key
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_each_rank_keeps_its_experts_blocks(model_dirs, tmp_path, tp_size):
+    """From a Q8_0 file's expert stacks, each tensor-parallel rank loads its slice of every
+    expert's intermediate dimension (gate and up rows, down columns) and, on the C++
+    kernels, multiplies by that slice's blocks as by its dequantized weights."""
+    path = write_gguf(model_dirs["qwen2moe"], tmp_path / "m.gguf", "Q8_0", tokenizer=False)
+    whole = {name: w[...] for name, w in iterate_gguf_weights(str(path), show_progress=False)}
+    gate, up, down = (whole[f"model.layers.0.mlp.experts.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    config = load_config(str(path))
+    x = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for rank in range(tp_size):
+        model = resolve_model_class(config)(config, tp_rank=rank, tp_size=tp_size)
+        model.load_weights(iterate_weights(str(path), show_progress=False))
+        experts = model.model.layers[0].mlp.experts
+        rows = slice(rank * experts.intermediate, (rank + 1) * experts.intermediate)
+        assert torch.equal(experts.gate_up_proj.data, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(experts.down_proj.data, down[:, :, rows])
+        w13, w2 = experts.gate_up_proj.data.clone(), experts.down_proj.data.clone()
+        experts.process_weights_after_loading("auto")
+        if cpu_kernels.load() is None:
+            continue
+        assert experts.on_file_blocks == 2 * experts.num_experts
+        h = torch.randn(3, experts.intermediate, generator=torch.Generator().manual_seed(1))
+        for e in range(experts.num_experts):
+            torch.testing.assert_close(experts.kernels[0][e](x), x @ w13[e].T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(experts.kernels[1][e](h), h @ w2[e].T, rtol=1e-5, atol=1e-5)
