@@ -3,9 +3,11 @@
 Direction of each message:
   TokenizerManager -> Scheduler:        TokenizedGenerateReqInput, AbortReq, GetServerStateReq,
                                         FlushCacheReq, ProfileReq, UpdateWeightsReq
-                                        subclasses, GetWeightsByNameReqInput
+                                        subclasses, GetWeightsByNameReqInput,
+                                        LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
   Scheduler -> TokenizerManager:        ServerStateOutput, FlushCacheOutput, ProfileReqOutput,
-                                        UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput;
+                                        UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput,
+                                        LoRAUpdateOutput;
                                         BatchTokenIDOutput under
                                         --skip-tokenizer-init (no detokenizer runs)
   Scheduler -> DetokenizerManager:      BatchTokenIDOutput (one per scheduler step)
@@ -57,6 +59,8 @@ class TokenizedGenerateReqInput:
     # SGLang's serialized custom logit processor (CustomLogitProcessor.to_str()); each
     # rank's scheduler deserializes it (--enable-custom-logit-processor).
     custom_logit_processor: str | None = None
+    # The name of its LoRA adapter (None: the base model); the scheduler resolves it.
+    lora_name: str | None = None
 
 
 @dataclass
@@ -200,6 +204,32 @@ class UpdateWeightFromDiskReqOutput(ControlOutput):
     message: str
     num_paused_requests: int = 0
     weight_version: str = "default"
+
+
+@dataclass
+class LoadLoRAAdapterReqInput(ControlReq):
+    """Load the PEFT adapter at `lora_path` under `lora_name` while serving (SGLang's body)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput(ControlReq):
+    """Unload adapter `lora_name`; refused while a queued or running request uses it."""
+
+    lora_name: str = ""
+
+
+@dataclass
+class LoRAUpdateOutput(ControlOutput):
+    """The reply to a LoRA load or unload (SGLang's fields); `in_use`: the refused unload's
+    requests (their rids), answered with 409."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)
+    in_use: list[str] = field(default_factory=list)
 
 
 @dataclass

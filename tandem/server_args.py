@@ -138,6 +138,8 @@ class ServerArgs:
             self.chunked_prefill_size = default_chunked_prefill_size(self.device)
         if self.attention_backend is None:  # SGLang's default for the device
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch_native"
+        if self.lora_paths:  # as SGLang
+            self.enable_lora = True
         if self.disable_overlap_schedule is None:
             # On CPU the forward computes on the cores the scheduler's Python would overlap
             # it with (and shares its GIL): the normal loop is faster there (measured in
@@ -205,8 +207,6 @@ class ServerArgs:
 
         paths = parse_lora_paths(self.lora_paths)
         parse_target_modules(self.lora_target_modules)
-        if paths:
-            self.enable_lora = True
         if self.max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch: must be >= 1")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:

@@ -43,6 +43,10 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def reqs(self) -> list:
+        """The requests waiting for their grammar, in arrival order."""
+        return [e.req for e in self._entries]
+
     def add(self, req) -> None:
         """Start compiling `req`'s grammar (or find it compiled) and hold `req` until then."""
         self._entries.append(

@@ -48,7 +48,7 @@ class ReqKVManager:
         """Give `req` a row holding the longest cached prefix (at most `max_prefix_len`
         tokens) of its sequence, locked while the request uses it. Returns its length."""
         assert req.req_pool_idx is None
-        match = self.tree_cache.match_prefix(req.seq_ids[:max_prefix_len])
+        match = self.tree_cache.match_prefix(req.cache_key(max_prefix_len))
         self.tree_cache.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         row = self.req_to_token_pool.alloc()
@@ -108,7 +108,7 @@ class ReqKVManager:
         if not isinstance(self.tree_cache, RadixCache):
             return
         row_slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len]
-        present = self.tree_cache.insert(req.seq_ids[:kv_len], row_slots)
+        present = self.tree_cache.insert(req.cache_key(kv_len), row_slots)
         if present > req.cache_owned_len:  # computed again what the tree already had
             self.token_to_kv_pool.free(row_slots[req.cache_owned_len : present].clone())
 
@@ -118,7 +118,7 @@ class ReqKVManager:
         if not isinstance(self.tree_cache, RadixCache) or req.kv_len == 0:
             return
         self._insert(req, req.kv_len)
-        match = self.tree_cache.match_prefix(req.seq_ids[: req.kv_len])
+        match = self.tree_cache.match_prefix(req.cache_key(req.kv_len))
         assert match.slots.numel() == req.kv_len
         self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
         self.tree_cache.inc_lock_ref(match.last_node)

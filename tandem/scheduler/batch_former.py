@@ -57,6 +57,7 @@ class BatchFormer:
         self.max_prefill_tokens = server_args.max_prefill_tokens
         self.chunk_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.mixed_chunk = server_args.enable_mixed_chunk
+        self.max_loras = server_args.max_loras_per_batch if server_args.enable_lora else None
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         # The request whose prompt is being prefilled chunk by chunk (not yet running).
@@ -103,6 +104,7 @@ class BatchFormer:
             self.max_running_requests,
             self.max_prefill_tokens,
             self.chunk_size,
+            self.max_loras,
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
@@ -162,7 +164,7 @@ class BatchFormer:
         or when those it outranks by more than the threshold are not enough. `settled`:
         only requests with no result in flight count."""
         ratio = self.new_token_ratio.value
-        cached = self.kv.tree_cache.match_prefix(head.seq_ids[: head.seq_len - 1]).slots.numel()
+        cached = self.kv.tree_cache.match_prefix(head.cache_key(head.seq_len - 1)).slots.numel()
         need = head.seq_len - max(cached, head.kv_len) + expected_future_tokens(head, ratio)
         running = [r for r in self.running if not r.finished()]
         free = self.kv.available_size() - sum(expected_future_tokens(r, ratio) for r in running)

@@ -1,6 +1,7 @@
 """The scheduler's control calls: server state, cache flush, weight reads and updates,
-profiling (SGLang's /server_info, /flush_cache, /update_weights_from_*, /get_weights_by_name,
-/start_profile and /stop_profile, as they reach one scheduler).
+profiling, LoRA adapters (SGLang's /server_info, /flush_cache, /update_weights_from_*,
+/get_weights_by_name, /start_profile and /stop_profile, /load_lora_adapter and
+/unload_lora_adapter: tandem/lora/control.py, as they reach one scheduler).
 
 A weight update pauses admission (optionally aborting every request first) and runs, and is
 answered, once no request runs (`update_weights_when_idle`, called by the loop every
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tandem.lora.control import LoraControl
 from tandem.messages import (
     AbortReq,
     ControlOutput,
@@ -22,8 +24,10 @@ from tandem.messages import (
     GetServerStateReq,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    LoadLoRAAdapterReqInput,
     ProfileReq,
     ServerStateOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromTensorReqInput,
@@ -43,6 +47,7 @@ class SchedulerControl:
         self.pending_weight_update: UpdateWeightsReq | None = None
         self.weight_version = "default"
         self.num_weight_updates = 0
+        self.lora = LoraControl(scheduler)
         # Message type -> handler returning the reply (None: it replies later).
         self.handlers: dict[type, Callable[[Any], ControlOutput | None]] = {
             GetServerStateReq: lambda msg: self.server_state(msg.request_id),
@@ -51,6 +56,8 @@ class SchedulerControl:
             UpdateWeightFromDiskReqInput: self.handle_update_weights,
             UpdateWeightsFromTensorReqInput: self.handle_update_weights,
             GetWeightsByNameReqInput: self.get_weights_by_name,
+            LoadLoRAAdapterReqInput: self.lora.load,
+            UnloadLoRAAdapterReqInput: self.lora.unload,
         }
 
     def handles(self, msg) -> bool:

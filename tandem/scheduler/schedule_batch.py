@@ -89,6 +89,9 @@ class Req:
     custom_logit_processor: RequestProcessor | None = None
     # Speculative decoding (tandem/speculative): its draft state and verify counts; None without.
     spec: Any = None
+    # Its LoRA adapter: the name asked for and the load id it resolved to (None: the base model).
+    lora_name: str | None = None
+    lora_uid: int | None = None
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
@@ -108,6 +111,12 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def cache_key(self, n: int) -> list:
+        """seq_ids[:n] as the prefix cache's key: under an adapter each id is paired with the
+        adapter's load id, so prefixes are shared only between requests of one adapter."""
+        ids = self.seq_ids[:n]
+        return ids if self.lora_uid is None else [(self.lora_uid, t) for t in ids]
 
     @property
     def launched_output_len(self) -> int:
@@ -134,6 +143,7 @@ class Req:
             top_logprobs_num=msg.top_logprobs_num,
             token_ids_logprob=msg.token_ids_logprob,
             priority=msg.priority,
+            lora_name=msg.lora_name,
         )
 
     def set_output_limits(self, max_seq_len: int, eos_token_ids: set[int]) -> None:
@@ -308,6 +318,7 @@ class ScheduleBatch:
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
             num_prefill=self.num_prefill,
             all_logits=verify,
+            lora_uids=[r.lora_uid for r in self.reqs] if any(r.lora_uid is not None for r in self.reqs) else None,
         )
 
     def sampling_info(self, vocab_size: int, device: str) -> SamplingBatchInfo:

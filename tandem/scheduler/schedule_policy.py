@@ -10,7 +10,9 @@ then admits waiting requests one by one while their KV fits:
     budget = free slots + evictable cached slots
              - KV the running requests are expected to still need
 An admitted request costs its prompt tokens not already cached plus its expected future
-tokens. Expected future tokens = remaining max_new_tokens x `new_token_ratio`, a decaying
+tokens. Under --enable-lora a request joins only while the running requests and the
+batch use at most --max-loras-per-batch adapters (the slots); the others wait their turn.
+Expected future tokens = remaining max_new_tokens x `new_token_ratio`, a decaying
 estimate (as SGLang's): it starts at `init`, shrinks by `decay` every decode step down to
 `min`, and jumps back up after a retraction. Over-admission is repaired by retraction.
 """
@@ -70,7 +72,7 @@ class SchedulePolicy:
             return sorted(waiting, key=self.priority.key)
         if self.policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
             return waiting
-        lens = {id(r): self.kv.tree_cache.match_prefix(r.seq_ids[: r.seq_len - 1]).slots.numel() for r in waiting}
+        lens = {id(r): self.kv.tree_cache.match_prefix(r.cache_key(r.seq_len - 1)).slots.numel() for r in waiting}
         return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
 
 
@@ -115,14 +117,18 @@ class PrefillAdder:
     # request that crosses it is chunked to what is left).
     token_budget: int
     chunk_size: int | None  # --chunked-prefill-size (None: off)
+    # --max-loras-per-batch: most distinct adapters the running requests and this batch use (None: no LoRA).
+    max_loras: int | None = None
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     # The request that this batch prefills only in part (it continues next step).
     chunked_req: Req | None = None
     reserved: int = field(init=False)
+    adapters: set[int] = field(init=False)  # the load ids of the adapters those requests use
 
     def __post_init__(self) -> None:
         self.reserved = sum(expected_future_tokens(r, self.ratio) for r in self.running)
+        self.adapters = {r.lora_uid for r in self.running if r.lora_uid is not None}
         if self.chunk_size is not None:
             self.token_budget = min(self.token_budget, self.chunk_size)
 
@@ -142,6 +148,8 @@ class PrefillAdder:
                 break
             if not isinstance(self.kv.tree_cache, ChunkCache) and self._shares_uncached_prefix(req):
                 continue  # next step it reuses the prefix this batch computes
+            if not self._adapter_fits(req):
+                continue  # it waits until a request of another adapter finishes
             prefix_len = self.kv.match_and_lock(req, self._max_prefix_len(req))
             need = self._future_need(req)
             if need > self.kv.available_size() - self.reserved and (self.reqs or self.running):
@@ -153,7 +161,14 @@ class PrefillAdder:
             self.reserved += need
             self._take(req)
 
+    def _adapter_fits(self, req: Req) -> bool:
+        """Whether `req`'s adapter keeps the running set within --max-loras-per-batch."""
+        uid = req.lora_uid
+        return uid is None or uid in self.adapters or len(self.adapters) < self.max_loras
+
     def _take(self, req: Req) -> None:
+        if req.lora_uid is not None:
+            self.adapters.add(req.lora_uid)
         n = self._extend_len(req)
         self.reqs.append(req)
         self.extend_lens.append(n)
@@ -184,6 +199,8 @@ class PrefillAdder:
     def _shares_uncached_prefix(self, req: Req) -> bool:
         ids = req.seq_ids
         for other in self.reqs:
+            if other.lora_uid != req.lora_uid:  # no prefix is shared across adapters
+                continue
             other_ids = other.seq_ids
             n = min(len(ids) - 1, len(other_ids), IN_BATCH_PREFIX_MIN * 64)
             k = 0

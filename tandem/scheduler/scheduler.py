@@ -294,6 +294,14 @@ class Scheduler:
             self._end(worst)
             self.send_outputs([worst])
         req.set_output_limits(min(self.context_len, self.max_total_num_tokens), self.finish_checker.eos_token_ids)
+        if req.lora_name is not None:
+            req.lora_uid = self.control.lora.uid_of(req.lora_name)
+            if req.lora_uid is None:  # unloaded since the tokenizer manager checked it
+                req.finished_reason = finish_reason.abort(
+                    f"lora_path: LoRA adapter {req.lora_name!r} is not loaded", 400
+                )
+                self.send_outputs([req])
+                return
         if msg.custom_logit_processor is not None and not self._load_custom_logit_processor(req, msg):
             self.send_outputs([req])
             return

@@ -104,14 +104,25 @@ class SchedulerHarness:
         self.scheduler.kv.release = counting_release
 
     def submit(
-        self, rid: str, stream: bool = False, input_ids: list[int] | None = None, logprobs: dict | None = None, **params
+        self,
+        rid: str,
+        stream: bool = False,
+        input_ids: list[int] | None = None,
+        logprobs: dict | None = None,
+        lora_name: str | None = None,
+        **params,
     ) -> None:
         sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0)
         for name, value in params.items():
             setattr(sp, name, value)  # NOTE: unchecked on purpose, to poison a request
         self.io.inbox.append(
             TokenizedGenerateReqInput(
-                rid=rid, input_ids=input_ids or [1, 2, 3, 4], sampling_params=sp, stream=stream, **(logprobs or {})
+                rid=rid,
+                input_ids=input_ids or [1, 2, 3, 4],
+                sampling_params=sp,
+                stream=stream,
+                lora_name=lora_name,
+                **(logprobs or {}),
             )
         )
 
