@@ -133,8 +133,17 @@ def resolve_dtype(dtype: str, config, device: str, native_bf16: bool | None = No
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        req_to_token_pool: ReqToTokenPool | None = None,
+    ):
+        """`req_to_token_pool`: another runner's rows to share (a speculative draft model
+        keeps its KV in its own pool at the target's slots); None: its own."""
         self.server_args = server_args
+        self._shared_rows = req_to_token_pool
         self.device = server_args.device
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config, self.device)
@@ -262,7 +271,9 @@ class ModelRunner:
             raise ValueError("not enough memory for the KV cache; lower the model size or raise --max-total-tokens")
         self.max_total_num_tokens = total
         self.max_running_requests = min(max_running, total)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 4, self.device)
+        self.req_to_token_pool = self._shared_rows or ReqToTokenPool(
+            self.max_running_requests, self.context_len + 4, self.device
+        )
         self.token_to_kv_pool = TokenToKVPool(
             total, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
