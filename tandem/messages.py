@@ -271,6 +271,10 @@ class ServerStateOutput(ControlOutput):
     num_finished_reqs: int = 0
     # Output tokens per second over the last few seconds (SGLang's gen_throughput).
     gen_throughput: float = 0.0
+    # --speculative-algorithm: request decode steps, drafts proposed and accepted since start.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # --dp-size > 1: each replica's own state, in DP-rank order (the fields above are
     # then their sums; the idle fraction their mean; the weight version replica 0's).
     dp_rank_states: list[ServerStateOutput] | None = None
@@ -343,6 +347,11 @@ class ReqOutput:
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     # The version of the weights that produced it (meta_info["weight_version"]).
     weight_version: str = "default"
+    # --speculative-algorithm: its verify steps, drafts proposed and accepted so far
+    # (meta_info's spec_* fields); None without speculation.
+    spec_verify_ct: int | None = None
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
 
 
 _REQ_OUTPUT_VALUES = operator.attrgetter(*(f.name for f in dataclasses.fields(ReqOutput)))

@@ -197,6 +197,10 @@ class TokenizerMetricsCollector:
             "sglang:kv_used_tokens", "Number of actively used token slots in the KV cache pool."
         )
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.spec_accept_length = gauge(
+            "sglang:spec_accept_length", "The average acceptance length of speculative decoding."
+        )
+        self.spec_accept_rate = gauge("sglang:spec_accept_rate", "The acceptance rate of speculative decoding drafts.")
 
     # ---- requests (TokenizerManager) -----------------------------------------------
     def observe_time_to_first_token(self, seconds: float, stream: bool) -> None:
@@ -242,6 +246,11 @@ class TokenizerMetricsCollector:
         self.kv_available_tokens.set(state.free_kv_slots)
         self.kv_evictable_tokens.set(state.evictable_cached_slots)
         self.token_usage.set(used / max(state.max_total_num_tokens, 1))
+        if state.spec_verify_steps:  # --speculative-algorithm: output tokens per decode step, drafts accepted
+            self.spec_accept_length.set(
+                (state.spec_verify_steps + state.spec_accepted_tokens) / state.spec_verify_steps
+            )
+            self.spec_accept_rate.set(state.spec_accepted_tokens / max(state.spec_draft_tokens, 1))
 
     def render(self) -> bytes:
         """The metrics (in multiprocess mode every process's, added up) in the Prometheus

@@ -86,6 +86,7 @@ class SchedulerControl:
             weight_version=self.weight_version,
             num_finished_reqs=s.num_finished_reqs,
             gen_throughput=round(s.gen_throughput.rate(), 2),
+            **({} if s.spec is None else s.spec.totals()),
         )
 
     def flush_cache(self, request_id: str) -> FlushCacheOutput:

@@ -51,7 +51,7 @@ from tandem.scheduler.scheduler_output import build_batch_output
 from tandem.scheduler.throughput import GenThroughput
 from tandem.scheduler.tp_worker import HostBatchResult, TpModelWorker
 from tandem.server_args import ServerArgs
-from tandem.speculative.spec_decoder import SpeculativeDecoder
+from tandem.speculative.spec_decoder import SpecReqState, SpeculativeDecoder
 from tandem.utils.tokenizer import get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -276,6 +276,8 @@ class Scheduler:
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req.from_message(msg)
+        if self.spec is not None:
+            req.spec = SpecReqState()
         priority = self.batches.priority
         if priority is not None and req.priority is None:
             req.priority = priority.lowest

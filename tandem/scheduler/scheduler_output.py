@@ -47,6 +47,9 @@ def output_record(req: Req) -> ReqOutput:
         retractions=req.retractions,
         detokenize_params=req.detokenize_params() if first else None,
     )
+    if req.spec is not None:
+        record.spec_verify_ct = req.spec.verify_ct
+        record.spec_draft_token_num, record.spec_accept_token_num = req.spec.draft_tokens, req.spec.accepted_tokens
     if req.return_logprob:
         record.output_token_logprobs = req.output_token_logprobs[req.sent_len :]
         record.output_top_logprobs = req.output_top_logprobs[req.sent_len :]

@@ -25,7 +25,6 @@ from tandem.layers.sampler import SamplingBatchInfo, sampling_probs
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.scheduler.schedule_batch import Req
 from tandem.server_args import ServerArgs
-from tandem.speculative.spec_decoder import SpecReqState
 
 
 class DraftModel:
@@ -80,8 +79,6 @@ class DraftModel:
         rows = self.runner.req_to_token_pool.req_to_token
         input_ids, positions, slots, prefix_lens, extend_lens = [], [], [], [], []
         for req in reqs:
-            if req.spec is None:
-                req.spec = SpecReqState()
             key = (req.req_pool_idx, req.retractions)
             if req.spec.draft_key != key:  # a new row: nothing of it is the draft's yet
                 req.spec.draft_key, req.spec.draft_kv_len = key, 0

@@ -94,11 +94,17 @@ class SpeculativeDecoder:
 
     def record_step(self, req: Req, drafted: int, accepted: int) -> None:
         """One decode step of `req` (a verify step, or a plain decode: no drafts) is processed."""
-        if req.spec is None:
-            req.spec = SpecReqState()
         req.spec.verify_ct += 1
         req.spec.draft_tokens += drafted
         req.spec.accepted_tokens += accepted
         self.verify_steps += 1
         self.proposed += drafted
         self.accepted += accepted
+
+    def totals(self) -> dict[str, int]:
+        """The server's counts (ServerStateOutput's spec_* fields, /metrics)."""
+        return {
+            "spec_verify_steps": self.verify_steps,
+            "spec_draft_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+        }

@@ -59,6 +59,7 @@ from tandem.metrics.request_logger import RequestLogger
 from tandem.sampling import custom_logit_processor
 from tandem.sampling.sampling_params import SamplingParams
 from tandem.server_args import PortArgs, ServerArgs
+from tandem.speculative.meta import spec_meta_info
 from tandem.tokenizer.multi_tokenizer import rid_prefix
 from tandem.tokenizer.text_encoder import TextEncoder
 from tandem.utils import zmq_io
@@ -517,6 +518,12 @@ class TokenizerManager:
             state, finished, out.prompt_tokens, out.completion_tokens, out.cached_tokens, out.retractions, now
         )
         meta["weight_version"] = out.weight_version
+        if out.spec_verify_ct is not None:
+            meta.update(
+                spec_meta_info(
+                    out.spec_verify_ct, out.spec_draft_token_num, out.spec_accept_token_num, out.completion_tokens
+                )
+            )
         state.pending.append((out.text_delta, out.new_token_ids, deltas, meta))
         state.finished = finished is not None
         if finished is not None and finished.get("status_code") == finish_reason.INTERNAL_ERROR_STATUS:

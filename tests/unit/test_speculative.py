@@ -59,6 +59,14 @@ PENALIZED = ("penalties", [4, 5, 6, 7, 8], {"max_new_tokens": 10, "frequency_pen
 
 def run(model_dir, reqs, **server_args) -> SchedulerHarness:
     h = SchedulerHarness(model_dir, disable_overlap_schedule=True, **server_args)
+    h.last_records = {}  # each request's last record (its speculative counts)
+    send = h.io.send_output
+
+    def keep_last(out) -> None:
+        h.last_records.update((rec.rid, rec) for rec in out.outputs)
+        send(out)
+
+    h.io.send_output = keep_last
     try:
         for rid, ids, fields in reqs:
             fields = dict(fields)
@@ -138,6 +146,15 @@ def test_ngram_mixed_with_a_penalized_request(stories_dir, stories_reqs, stories
     assert_same(stories_baseline, spec)
     s = spec.scheduler.spec
     assert s.accepted > 20 and s.proposed > s.accepted
+    # meta_info's counts: each verify step gives its accepted drafts + 1 tokens (the first from the prefill).
+    records = spec.last_records.values()
+    for rec in records:
+        assert rec.completion_tokens == 1 + rec.spec_verify_ct + rec.spec_accept_token_num, rec.rid
+        assert rec.spec_accept_token_num <= rec.spec_draft_token_num
+    assert sum(r.spec_accept_token_num for r in records) == s.accepted
+    assert sum(r.spec_draft_token_num for r in records) == s.proposed
+    assert spec.last_records["penalties"].spec_draft_token_num == 0
+    assert spec.scheduler.control.server_state("x").spec_accepted_tokens == s.accepted
 
 
 @pytest.mark.slow
