@@ -77,6 +77,15 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim_of(config) -> int:
+    """The rotated width of each head: `head_dim * partial_rotary_factor` (from the config
+    or transformers 5's `rope_parameters`; Phi-4-mini's 0.75), as transformers truncates it;
+    the rest of the head passes unrotated."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = getattr(config, "partial_rotary_factor", None) or params.get("partial_rotary_factor") or 1.0
+    return int(head_dim_of(config) * factor)
+
+
 def make_rotary_embedding(config) -> RotaryEmbedding:
     """The model's one rotary embedding: every layer rotates by the same table (as
     SGLang's `get_rope` cache shares one), looked up once per forward."""
@@ -84,7 +93,7 @@ def make_rotary_embedding(config) -> RotaryEmbedding:
     head_dim = head_dim_of(config)
     return RotaryEmbedding(
         head_dim,
-        head_dim,
+        rotary_dim_of(config),
         config.max_position_embeddings,
         theta,
         scaling,

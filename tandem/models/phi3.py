@@ -9,9 +9,10 @@ cut into its q, k, v (gate, up) rows, and each part goes through the parameter's
 parallelism every rank so takes its own heads of q, of k and of v (and its own share of
 gate and of up), not a slice of the raw concatenation, and reads only those rows.
 
-Not applied: the config's `sliding_window` (Tandem's attention backends attend over the
-whole context: exact for sequences no longer than the window, e.g. Phi-3-mini-4k's 2047),
-and a `partial_rotary_factor` below 1 (Phi-4-mini): refused."""
+The config's `sliding_window` (Phi-3-mini-4k's 2047) applies on every layer, as in
+transformers: the query at p sees the keys at (p - window, p]. A `partial_rotary_factor`
+below 1 (Phi-4-mini's 0.75) rotates the first `head_dim * factor` of each head only
+(`base.rotary_dim_of`)."""
 
 from __future__ import annotations
 
@@ -68,13 +69,9 @@ def split_fused(config, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iter
 class Phi3ForCausalLM(CausalLM):
     @classmethod
     def layer_options(cls, config, layer_id: int) -> LayerOptions:
-        return LayerOptions()
+        return LayerOptions(sliding_window=int(getattr(config, "sliding_window", None) or 0))
 
     def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
-        theta_params = getattr(config, "rope_parameters", None) or {}
-        partial = theta_params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-        if partial != 1.0:
-            raise ValueError(f"Phi-3 with partial_rotary_factor {partial} (partial rotary) is not supported yet")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Phi-3 with hidden_act {act!r} is not supported; supported: 'silu'")

@@ -29,6 +29,7 @@ from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.moe import FusedMoE
 from tandem.model_executor.gguf_loader import iterate_gguf_weights
 from tandem.model_executor.model_loader import iterate_weights, load_config
+from tandem.models.base import rotary_dim_of
 from tandem.models.registry import resolve_model_class
 
 PROMPTS = [[2, 5, 9, 13, 7, 7, 3, 11, 4, 30], [2, 8], list(range(1, 30))]
@@ -88,19 +89,32 @@ def _gemma3():
     return random_model(lambda: Gemma3ForCausalLM(config), seed=1, spread=_spread_gemma, logit_scale=None)
 
 
-def _phi3():
+def _phi3(**over):
+    """Phi-3 with a window shorter than the prompts and half of each head rotated."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
+    config = dict(COMMON, original_max_position_embeddings=256, sliding_window=8, partial_rotary_factor=0.5)
     config = Phi3Config(
-        **COMMON,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        original_max_position_embeddings=256,
-        sliding_window=None,
-        tie_word_embeddings=False,
-        pad_token_id=0,
+        **{**config, **over}, num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=False, pad_token_id=0
     )
     return random_model(lambda: Phi3ForCausalLM(config))
+
+
+def _phi3_longrope():
+    """The 128k models' RoPE: factors per rotary frequency, as tensors in the file."""
+    half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    scaling = {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.0 + 2.0 * i for i in range(half)],
+    }
+    return _phi3(
+        sliding_window=None,
+        partial_rotary_factor=1.0,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        rope_scaling=scaling,
+    )
 
 
 MOE = dict(COMMON, num_hidden_layers=2, num_experts_per_tok=2, tie_word_embeddings=False)
@@ -140,6 +154,7 @@ FAMILIES = {
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "phi3-longrope": _phi3_longrope,
     "mixtral": _mixtral,
     "qwen2moe": _qwen2_moe,
     "qwen3moe": _qwen3_moe,
@@ -175,7 +190,7 @@ def rounded_dir(model_dir, out, qtype: str):
 
 
 def reference(family, model_dir, path, tmp_path, qtype):
-    if family == "mixtral":
+    if family == "mixtral":  # transformers' GGUF loader reads no llama file's experts
         model_dir = model_dir if qtype == "F32" else rounded_dir(model_dir, tmp_path / "rounded", qtype)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     else:
@@ -222,10 +237,15 @@ def test_config_from_metadata(model_dirs, tmp_path, family):
         "norm_topk_prob",
         "mlp_only_layers",
         "tie_word_embeddings",
+        "original_max_position_embeddings",
     ]
     for key in keys:
         if hasattr(source, key):
             assert getattr(ours, key) == getattr(source, key), key
+    assert rotary_dim_of(ours) == rotary_dim_of(source)
+    for key in ("long_factor", "short_factor"):  # float32 in the file
+        want = (source.rope_parameters or {}).get(key)
+        assert (ours.rope_parameters or {}).get(key) == (None if want is None else pytest.approx(want, rel=1e-6)), key
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -4,14 +4,21 @@ transformers' own Phi3Config/Phi3ForCausalLM, plain RoPE (the 4k models) and lon
 largest. The longrope model's prompts and generations stay within
 `original_max_position_embeddings`, where transformers uses the short factors for the
 whole sequence as Tandem does (the long ones are checked position by position in
-tests/unit/test_rope_scaling.py). The fused qkv/gate_up checkpoint tensors load split
+tests/unit/test_rope_scaling.py). A sliding window shorter than the prompts and partial
+rotary (prefilled whole and in chunks). The fused qkv/gate_up checkpoint tensors load split
 into their parts, on one rank and on two."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner, save_random_model
+from runner_steps import (
+    assert_greedy_matches_transformers,
+    greedy_steps,
+    make_runner,
+    reference_model,
+    save_random_model,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -22,7 +29,7 @@ STEPS = 6
 HEAD_DIM = 16
 
 
-def phi3_config(longrope: bool):
+def phi3_config(longrope: bool, **over):
     from transformers import Phi3Config
 
     half = HEAD_DIM // 2
@@ -43,11 +50,14 @@ def phi3_config(longrope: bool):
         max_position_embeddings=512 if longrope else 64,
         original_max_position_embeddings=64,
         rope_scaling=scaling,
-        sliding_window=None,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=1,
+        **{
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+            "eos_token_id": None,
+            "bos_token_id": 1,
+            **over,
+        },
     )
 
 
@@ -64,6 +74,22 @@ def test_phi3_greedy_and_logits_match_transformers(tiny_phi3_dir):
     assert type(runner.model).__module__ == "tandem.models.phi3"
     got = greedy_steps(runner, PROMPTS, STEPS)
     assert_greedy_matches_transformers(got, tiny_phi3_dir, PROMPTS, STEPS)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_phi3_window_and_partial_rotary_match_transformers(tmp_path, chunk):
+    """`sliding_window` shorter than the prompts (every layer, as transformers applies it),
+    prefilled whole and in chunks, and half of each head rotated (`partial_rotary_factor`,
+    as Phi-4-mini's 0.75)."""
+    from transformers import Phi3ForCausalLM as HFPhi3
+
+    config = phi3_config(False, sliding_window=8, partial_rotary_factor=0.5)
+    model_dir = save_random_model(tmp_path / "phi3-window", lambda: HFPhi3(config), seed=3)
+    runner = make_runner(model_dir, dtype="float32")
+    assert runner.model.model.rotary_emb.rotary_dim == HEAD_DIM // 2
+    assert runner.model.model.layers[0].self_attn.sliding_window == 8
+    got = greedy_steps(runner, PROMPTS, STEPS, chunk=chunk)
+    assert_greedy_matches_transformers(got, reference_model(model_dir, attn_implementation="eager"), PROMPTS, STEPS)
 
 
 def test_fused_tensors_split_per_rank(tiny_phi3_dir):
