@@ -19,6 +19,7 @@ from tandem.entrypoints.chat_page import chat_page_router
 from tandem.entrypoints.health import EngineHealth
 from tandem.entrypoints.json_body import JSONBodyRoute
 from tandem.entrypoints.limits import BodySizeLimit
+from tandem.entrypoints.lora_routes import lora_router
 from tandem.entrypoints.native_protocol import GenerateReqInput
 from tandem.entrypoints.native_routes import native_router
 from tandem.entrypoints.openai.errors import OpenAIError
@@ -72,6 +73,7 @@ def create_app(
     app.include_router(native_router(tm, server_args, engine_health))
     app.include_router(sglang_router(tm, server_args))
     app.include_router(weight_router(tm))
+    app.include_router(lora_router(tm))
     add_openai_routes(app, tm, server_args)
     app.include_router(chat_page_router())
     app.add_middleware(BodySizeLimit, max_bytes=server_args.max_request_body_bytes, error=error_for_path)

@@ -44,6 +44,9 @@ class GenerateReqInput:
     # SGLang's serialized custom logit processor (CustomLogitProcessor.to_str()), one for
     # all prompts or one per prompt; only with --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
+    # The LoRA adapter (its name; --enable-lora), one for all prompts or one per prompt
+    # (null: the base model).
+    lora_path: str | list[str | None] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> GenerateReqInput:
@@ -102,7 +105,7 @@ class GenerateReqInput:
                     raise ValueError(f"{name}: must be an integer >= {lo}")
         n = self.batch_size
         self._validate_token_ids_logprob(n)
-        for name in ("sampling_params", "rid", "custom_logit_processor", *_PER_PROMPT_LOGPROB_FIELDS):
+        for name in ("sampling_params", "rid", "custom_logit_processor", "lora_path", *_PER_PROMPT_LOGPROB_FIELDS):
             value = getattr(self, name)
             if isinstance(value, list):
                 if not self.is_batch or len(value) != n:
@@ -111,6 +114,9 @@ class GenerateReqInput:
             for sp in self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]:
                 if not isinstance(sp, dict):
                     raise ValueError("sampling_params: must be an object")
+        for name in _as_list(self.lora_path):
+            if name is not None and (not isinstance(name, str) or not name):
+                raise ValueError("lora_path: must be an adapter name (a non-empty string), a list of them, or null")
         if self.rid is not None:
             for rid in self.rid if isinstance(self.rid, list) else [self.rid]:
                 if not isinstance(rid, str) or not rid:
@@ -165,6 +171,7 @@ class GenerateReqInput:
             sampling_params=pick(self.sampling_params),
             rid=pick(self.rid),
             custom_logit_processor=pick(self.custom_logit_processor),
+            lora_path=pick(self.lora_path),
             token_ids_logprob=self.token_ids_for(i),
             **{name: pick(getattr(self, name)) for name in _PER_PROMPT_LOGPROB_FIELDS},
         )
@@ -200,8 +207,7 @@ UNSUPPORTED_GENERATE_FIELDS = MappingProxyType(
         "return_flat_raw_top_logprobs": "flat top-logprob output",
         "return_flat_raw_output_top_logprobs": "flat top-logprob output",
         "return_prompt_token_ids": "returning prompt token ids",
-        "lora_path": "LoRA",
-        "lora_id": "LoRA",
+        "lora_id": "LoRA by internal id",
         "session_params": "session",
         "bootstrap_host": "prefill-decode disaggregation",
         "bootstrap_room": "prefill-decode disaggregation",
@@ -219,7 +225,6 @@ _NEUTRAL_GENERATE_VALUES = MappingProxyType({"data_parallel_rank": 0, "routed_dp
 # Unsupported fields that may hold one flag per prompt (each must be neutral).
 _PER_PROMPT_FLAGS = frozenset(
     {
-        "lora_path",
         "lora_id",
         "return_hidden_states",
         "return_sampling_mask",

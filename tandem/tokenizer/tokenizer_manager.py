@@ -34,6 +34,7 @@ import tandem
 from tandem import finish_reason
 from tandem.constrained.grammar_key import verify_grammar
 from tandem.entrypoints.native_protocol import GenerateReqInput
+from tandem.lora.manager import parse_lora_paths
 from tandem.messages import (
     AbortLabelReq,
     AbortReq,
@@ -46,11 +47,14 @@ from tandem.messages import (
     GetServerStateReq,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     ProfileReq,
     ProfileReqOutput,
     ReqOutput,
     ServerStateOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsReq,
 )
@@ -133,6 +137,8 @@ class TokenizerManager:
         self._rid_counter = itertools.count()
         self.num_requests = 0  # requests (samples) sent to the scheduler
         self._control_waiters: dict[str, asyncio.Future] = {}
+        # LoRA adapters loaded (name -> path), as of the last load or unload this manager made.
+        self.lora_adapters: dict[str, str] = parse_lora_paths(server_args.lora_paths)
         # Set on SIGTERM/SIGINT (entrypoints/shutdown.py): new requests get 503, /health 503.
         self.draining = False
         # When the last message from the scheduler side arrived (time.time(); SGLang's name).
@@ -338,6 +344,10 @@ class TokenizerManager:
                     f"Please set `{custom_logit_processor.ENABLE_FLAG}` to enable this feature."
                 )
             custom_logit_processor.check_format(obj.custom_logit_processor)
+        if obj.lora_path is not None and not self.server_args.enable_lora:
+            raise ValueError(
+                "lora_path: LoRA is not enabled on this server (start it with --enable-lora or --lora-paths)"
+            )
         if obj.logprob_start_len >= len(input_ids):
             raise ValueError(f"logprob_start_len: must be < the prompt length ({len(input_ids)})")
         if obj.top_logprobs_num > self.vocab_size:
@@ -360,6 +370,7 @@ class TokenizerManager:
             token_ids_logprob=obj.token_ids_logprob if obj.return_logprob else None,
             priority=obj.priority,
             custom_logit_processor=obj.custom_logit_processor or None,
+            lora_name=obj.lora_path,
         )
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
@@ -429,6 +440,16 @@ class TokenizerManager:
         """The first rows of a served checkpoint tensor (ModelRunner.get_weights_by_name)."""
         req.request_id = self._new_rid()
         return await self._control_call(req, timeout)
+
+    async def update_lora(
+        self, req: LoadLoRAAdapterReqInput | UnloadLoRAAdapterReqInput, timeout: float = 600.0
+    ) -> LoRAUpdateOutput:
+        """Load or unload a LoRA adapter (tandem/lora/control.py); `lora_adapters` then holds
+        the scheduler's list (name -> path), which /v1/models shows."""
+        req.request_id = self._new_rid()
+        out = await self._control_call(req, timeout)
+        self.lora_adapters = dict(out.loaded_adapters) if self.server_args.enable_lora else {}
+        return out
 
     async def _control_call(self, msg: ControlReq, timeout: float) -> Any:
         """Send a control request; await the scheduler's reply with the same request_id."""

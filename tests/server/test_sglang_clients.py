@@ -199,7 +199,7 @@ def test_sglang_fields_accepted_or_named(client):
         ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
         ({"sampling_params": {"stop_regex": ["x+", "(x"]}}, "sampling_params.stop_regex: invalid regex"),
         ({"sampling_params": {"nonsense": 1}}, "sampling_params.nonsense: unknown"),
-        ({"lora_path": "adapter-a"}, "lora_path: LoRA is not supported yet"),
+        ({"lora_path": "adapter-a"}, "lora_path: LoRA is not enabled on this server"),
         ({"image_data": "http://x/y.png"}, "image_data: image input is not supported yet"),
         ({"return_hidden_states": True}, "return_hidden_states:"),
     ]

@@ -388,6 +388,7 @@ class FakeTM:
         self.text_encoder = TextEncoder(tokenizer)
         self.server_args = _args()
         self.scheduler_info = {"context_length": context_len, "vocab_size": 1536}  # what the scheduler reports
+        self.lora_adapters = {}  # LoRA adapters loaded (none)
         self.requests = []
 
     async def generate_request(self, obj, incremental=False):

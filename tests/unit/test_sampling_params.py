@@ -69,7 +69,8 @@ def test_stop_token_ids_checked_against_vocab():
         ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
         ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
         ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
-        ({"text": "a", "lora_path": "adapter"}, "lora_path"),
+        ({"text": "a", "lora_path": 3}, "lora_path"),
+        ({"text": ["a", "b"], "lora_path": ["x"]}, "lora_path"),
     ],
 )
 def test_generate_request_shape_errors(body, field):

@@ -50,6 +50,15 @@ def served_model_names(server_args) -> set[str]:
     return {n for n in (server_args.served_model_name, server_args.model_path) if n}
 
 
+def lora_adapter_of(req: _SamplingFields) -> str | None:
+    """The LoRA adapter a request names, as SGLang reads it: its `lora_path`, else the
+    adapter of `model: "<base>:<adapter>"`; None: the base model."""
+    if req.lora_path:
+        return req.lora_path
+    _, sep, adapter = (req.model or "").partition(":")
+    return adapter if sep and adapter else None
+
+
 def reject_unsupported(req: _SamplingFields) -> None:
     """400 naming the first field whose feature is not implemented, if set to a non-neutral value."""
     bad = req.unsupported_fields()

@@ -67,6 +67,8 @@ class _SamplingFields(BaseModel):
     # (CustomLogitProcessor.to_str(); --enable-custom-logit-processor) and its params.
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] | None = None
+    # SGLang extra: the LoRA adapter's name (also `model: "<base>:<adapter>"`; this wins).
+    lora_path: str | None = None
     # Not supported yet: only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored, as OpenAI only logs it
@@ -402,6 +404,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (SGLang's field)
     max_model_len: int | None = None
     gguf: dict | None = None  # a GGUF model's file(s) and tensor types
 

@@ -74,12 +74,14 @@ def openai_router(tm, server_args) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> Response:
-        cards = serving_models.list_models(server_args, tm.context_len, tm.scheduler_info.get("gguf"))
+        cards = serving_models.list_models(server_args, tm.context_len, tm.scheduler_info.get("gguf"), tm.lora_adapters)
         return json_response(cards.model_dump())
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        card = serving_models.retrieve_model(model_id, server_args, tm.context_len, tm.scheduler_info.get("gguf"))
+        card = serving_models.retrieve_model(
+            model_id, server_args, tm.context_len, tm.scheduler_info.get("gguf"), tm.lora_adapters
+        )
         return json_response(card.model_dump())
 
     @router.post("/v1/tokenize")

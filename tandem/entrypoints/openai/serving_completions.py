@@ -23,6 +23,7 @@ from tandem.entrypoints.openai.common import (
     clamp_logprob,
     error_event,
     finish_reason,
+    lora_adapter_of,
     matched_stop,
     open_streams,
     random_id,
@@ -126,6 +127,7 @@ def build_completion_generate_input(
         stream=bool(req.stream),
         priority=req.priority,
         custom_logit_processor=req.custom_logit_processor,
+        lora_path=lora_adapter_of(req),
     )
     if req.logprobs is not None:
         obj.return_logprob = True

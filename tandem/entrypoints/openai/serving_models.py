@@ -15,15 +15,34 @@ def model_card(server_args, context_len: int | None, gguf: dict | None = None) -
     )
 
 
-def list_models(server_args, context_len: int | None, gguf: dict | None = None) -> ModelList:
-    return ModelList(data=[model_card(server_args, context_len, gguf)])
+def adapter_cards(server_args, context_len: int | None, adapters: dict[str, str]) -> list[ModelCard]:
+    """One card per loaded LoRA adapter (name -> path), its parent the served model (as SGLang)."""
+    parent = server_args.served_model_name
+    return [ModelCard(id=n, root=p, parent=parent, max_model_len=context_len) for n, p in adapters.items()]
 
 
-def retrieve_model(model_id: str, server_args, context_len: int | None, gguf: dict | None = None) -> ModelCard:
-    """The served model's card; 404 `model_not_found` for any other id."""
-    if model_id not in served_model_names(server_args):
-        raise OpenAIError(f"model: the model {model_id!r} does not exist", 404, param="model")
-    return model_card(server_args, context_len, gguf)
+def list_models(
+    server_args, context_len: int | None, gguf: dict | None = None, adapters: dict[str, str] | None = None
+) -> ModelList:
+    """The served model, then its loaded LoRA adapters."""
+    return ModelList(
+        data=[model_card(server_args, context_len, gguf), *adapter_cards(server_args, context_len, adapters or {})]
+    )
+
+
+def retrieve_model(
+    model_id: str,
+    server_args,
+    context_len: int | None,
+    gguf: dict | None = None,
+    adapters: dict[str, str] | None = None,
+) -> ModelCard:
+    """The served model's card, or a loaded adapter's; 404 `model_not_found` for any other id."""
+    if model_id in served_model_names(server_args):
+        return model_card(server_args, context_len, gguf)
+    if model_id in (adapters or {}):
+        return adapter_cards(server_args, context_len, {model_id: adapters[model_id]})[0]
+    raise OpenAIError(f"model: the model {model_id!r} does not exist", 404, param="model")
 
 
 def _require_tokenizer(encoder: TextEncoder | None, param: str) -> None:
