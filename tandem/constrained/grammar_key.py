@@ -13,10 +13,12 @@ import re
 
 import xgrammar
 
+from tandem.constrained.structural_tag import StructuralTagError, xgrammar_structural_tag
+
 GrammarKey = tuple[str, str]
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # xgrammar prefixes its errors with a time and a C++ source location; clients need neither.
-_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?|^Invalid (structural tag|JSON) error: ")
 
 
 def one_line(message: str) -> str:
@@ -36,7 +38,11 @@ def parse_grammar(key: GrammarKey, any_whitespace: bool = True) -> xgrammar.Gram
             return xgrammar.Grammar.from_json_schema(value, any_whitespace=any_whitespace)
         if kind == "regex":
             return xgrammar.Grammar.from_regex(value)
+        if kind == "structural_tag":
+            return xgrammar.Grammar.from_structural_tag(xgrammar_structural_tag(value))
         return xgrammar.Grammar.from_ebnf(value)
+    except StructuralTagError:
+        raise
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"sampling_params.{kind}: invalid {kind}: {xgrammar_error(e)}") from e
 

@@ -1,6 +1,7 @@
 """The grammar backend on llguidance (`--grammar-backend llguidance`): `json_schema`
 (llguidance's JSON compiler), `regex`, `ebnf` (GBNF, as xgrammar reads it, converted to
-Lark by llguidance). A grammar compiles once into a matcher that each request copies;
+Lark by llguidance), `structural_tag` in its legacy shape (llguidance's `StructTag`; the
+`format` shape is xgrammar's, a 400 here). A grammar compiles once into a matcher that each request copies;
 a batch's rows are filled in one parallel call (`fill_next_token_bitmask_par`)."""
 
 from __future__ import annotations
@@ -10,10 +11,33 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from tandem.constrained import structural_tag
 from tandem.constrained.backend import GrammarBackend
 from tandem.constrained.grammar_key import GrammarKey, one_line
 
 _FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
+
+
+def llguidance_structural_tag(value: str) -> str:
+    """The Lark grammar of a legacy structural tag: each structure's trigger is the first
+    trigger its `begin` starts with (llguidance's StructTag needs one per structure)."""
+    tag = structural_tag.load(value)
+    if not structural_tag.is_legacy(tag) or tag.get("at_least_one"):
+        what = "at_least_one" if structural_tag.is_legacy(tag) else "'format' (only the legacy structures and triggers)"
+        raise structural_tag.StructuralTagError(
+            f"{structural_tag.FIELD}: the llguidance grammar backend (--grammar-backend llguidance) has no "
+            f"structural tag {what}; use --grammar-backend xgrammar"
+        )
+    structures, triggers = structural_tag.legacy_parts(tag)
+    tags = []
+    for i, s in enumerate(structures):
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise structural_tag.StructuralTagError(
+                f"{structural_tag.FIELD}: invalid structural_tag: structures[{i}].begin starts with no trigger"
+            )
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def llguidance_grammar(key: GrammarKey, any_whitespace: bool = True) -> str:
@@ -24,7 +48,11 @@ def llguidance_grammar(key: GrammarKey, any_whitespace: bool = True) -> str:
         if kind == "json_schema":
             options = None if any_whitespace else {"whitespace_flexible": False}
             return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=options)
+        if kind == "structural_tag":
+            return llguidance_structural_tag(value)
         return llguidance.grammar_from(_FORMATS[kind], value)
+    except structural_tag.StructuralTagError:
+        raise
     except (ValueError, RuntimeError, TypeError) as e:
         raise ValueError(f"sampling_params.{kind}: invalid {kind}: {one_line(str(e))}") from e
 

@@ -1,6 +1,7 @@
 """The grammar backend on outlines (`--grammar-backend outlines`): outlines-core, the
 regex automaton that the `outlines` package runs on. `regex`, and `json_schema` through
-outlines' JSON-schema-to-regex; no `ebnf` (outlines builds no context-free grammars), and
+outlines' JSON-schema-to-regex; no `ebnf` or `structural_tag` (outlines builds no
+context-free grammars), and
 no numeric bounds in a schema (`minimum`, `maximum`, ...: outlines' regex ignores them,
 so its outputs would break them): a request with either is a 400 naming the backend. A
 grammar compiles into an `Index` (the automaton over the vocabulary) that each request

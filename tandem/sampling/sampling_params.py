@@ -26,7 +26,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # 400 message. Their neutral value (null, empty, beam_width 1) is accepted and ignored.
 UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType(
     {
-        "structural_tag": "structured output",
         "choice": "structured output (choice)",
         "beam_width": "beam search",
         "logit_bias": "logit bias",
@@ -35,7 +34,7 @@ UNSUPPORTED_SAMPLING_PARAMS = MappingProxyType(
     }
 )
 # Constrained decoding (tandem/constrained): at most one of these per request.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Neutral values besides null and empty ones.
 _NEUTRAL_SAMPLING_VALUES = MappingProxyType({"beam_width": 1})
 
@@ -69,11 +68,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
-    # Structured output: a JSON schema (a JSON string), a regular expression or an EBNF
-    # grammar the output must match (tandem/constrained).
+    # Structured output: a JSON schema (a JSON string), a regular expression, an EBNF
+    # grammar or a structural tag (JSON, tandem/constrained/structural_tag.py) the output
+    # must match (tandem/constrained).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     # Passed to the request's custom logit processor, one dict per row (SGLang's field;
     # ignored without a processor).
     custom_params: dict[str, Any] | None = None
@@ -101,8 +102,9 @@ class SamplingParams:
             for k, v in data.items()
             if (v is not None or k == "sampling_seed") and not (k in GRAMMAR_FIELDS and is_neutral(v))
         }
-        if isinstance(data.get("json_schema"), dict):  # a schema given as an object, not a string
-            data["json_schema"] = json.dumps(data["json_schema"])
+        for name in ("json_schema", "structural_tag"):  # given as an object, not a string
+            if isinstance(data.get(name), dict):
+                data[name] = json.dumps(data[name])
         if isinstance(data.get("stop"), str):
             data["stop"] = [data["stop"]]
         if isinstance(data.get("stop_regex"), str):
@@ -182,6 +184,10 @@ class SamplingParams:
                 raise ValueError(f"sampling_params.{name}: must be a string")
         if self.custom_params is not None and not isinstance(self.custom_params, dict):
             raise ValueError("sampling_params.custom_params: must be an object")
+        if "structural_tag" in grammars and len(grammars) > 1:
+            raise ValueError(
+                f"sampling_params: structural_tag cannot be combined with {grammars[0]} (one grammar per request)"
+            )
         if len(grammars) > 1:
             raise ValueError(
                 f"sampling_params: only one of regex, json_schema, or ebnf can be set (got {' and '.join(grammars)})"

@@ -194,7 +194,7 @@ def test_sglang_fields_accepted_or_named(client):
     bad = [
         (
             {"sampling_params": {"structural_tag": "{}"}},
-            "sampling_params.structural_tag: structured output is not supported",
+            "sampling_params.structural_tag: invalid structural_tag: needs 'format'",
         ),
         ({"sampling_params": {"regex": "[a-"}}, "sampling_params.regex: invalid regex"),
         ({"sampling_params": {"stop_regex": ["x+", "(x"]}}, "sampling_params.stop_regex: invalid regex"),

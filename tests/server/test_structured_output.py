@@ -1,7 +1,7 @@
 """Structured output over HTTP on the random-weight tiny model (one server per grammar
 backend, xgrammar, llguidance and outlines, JSON without free whitespace): `/generate`'s
 `json_schema`/`regex`/`ebnf`, the `/v1/completions` and chat extras, chat
-`response_format`, and the 400s for an invalid grammar or more than one; outlines, which
+`response_format` (structural tags too), and the 400s for an invalid grammar or more than one; outlines, which
 has no EBNF and no numeric bounds, refuses them naming itself."""
 
 from __future__ import annotations
@@ -180,9 +180,50 @@ def test_chat_response_format(client, backend, schema):
     assert r.status_code == 200, r.text
 
 
+CONST_TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "The capital of France is Berlin."}}
+LEGACY_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"}],
+    "triggers": ["<f"],
+}
+
+
+def test_chat_structural_tag(client, backend):
+    """SGLang's `response_format` structural tags: xgrammar's `format` shape (SGLang's
+    test_structural_tag: a const string, a JSON schema) on xgrammar, the legacy shape
+    (`structures`, `triggers`) on xgrammar and llguidance; the others name themselves."""
+    json_tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": SCHEMA}}
+    if backend == "outlines":
+        r = chat(client, response_format=CONST_TAG)
+        assert r.status_code == 400 and r.json()["param"] == "structural_tag" and OUTLINES_REFUSES in r.text, r.text
+        return
+    if backend == "llguidance":
+        r = chat(client, response_format=CONST_TAG)
+        assert r.status_code == 400 and "llguidance grammar backend" in r.text and "'format'" in r.text, r.text
+    else:
+        r = chat(client, response_format=CONST_TAG, temperature=0)
+        assert r.json()["choices"][0]["message"]["content"] == CONST_TAG["format"]["value"], r.text
+        r = chat(client, response_format=CONST_TAG, stream=True)
+        chunks = [json.loads(line[6:])["choices"] for line in r.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c[0]["delta"].get("content") or "" for c in chunks if c) == CONST_TAG["format"]["value"]
+        r = chat(client, response_format=json_tag, temperature=0, max_tokens=200)
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+        r = generate(client, structural_tag=json.dumps({"type": "structural_tag", "format": {"type": "bogus"}}))
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "sampling_params.structural_tag: invalid structural_tag: Format type not recognized: bogus"
+        ), r.text
+    r = chat(client, response_format=LEGACY_TAG, temperature=1.0, seed=3, max_tokens=60)
+    content = r.json()["choices"][0]["message"]["content"]
+    for m in re.finditer(r"<f=a>(.*?)</f>", content, re.S):  # free text; any structure is whole
+        jsonschema.validate(json.loads(m.group(1)), SCHEMA)
+    r = chat(client, response_format={**LEGACY_TAG, "triggers": ["<x"]})
+    assert r.status_code == 400 and r.json()["param"] == "structural_tag", r.text
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [
+        ({"response_format": {"type": "structural_tag"}}, "a structural_tag needs 'format', or the legacy"),
         ({"response_format": {"type": "json_object"}, "regex": "a"}, "Only one of regex, response_format can be set"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema is required"),
         (

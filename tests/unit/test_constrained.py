@@ -13,6 +13,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from scheduler_harness import SchedulerHarness, loop_configurations
 from test_overlap_schedule import assert_same, prompts, run
 
@@ -307,3 +308,124 @@ def test_sampling_params_grammar_fields():
         SamplingParams.from_dict({"json_schema": "{}", "regex": "a"})
     with pytest.raises(ValueError, match="sampling_params.regex: must be a string"):
         SamplingParams.from_dict({"regex": 5})
+
+
+STAG_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+# xgrammar's structural tag: a tag around a JSON object; the legacy shape: free text until a trigger.
+STAG_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<f>",
+        "content": {"type": "json_schema", "json_schema": STAG_SCHEMA, "max_whitespace_cnt": 1},
+        "end": "</f>",
+    },
+}
+STAG_LEGACY = {"structures": [{"begin": "<f=a>", "schema": STAG_SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
+
+
+def test_structural_tags_constrain_the_output_in_both_loops(tiny_llama_dir):
+    """xgrammar's structural tags (a const string; a tag around a JSON schema), greedy and
+    sampled: each output is exactly what the tag allows, then EOS."""
+    const = {"type": "structural_tag", "format": {"type": "const_string", "value": "The capital is Berlin."}}
+    p = prompts(3, seed=8)
+    reqs = [
+        ("const", p[0], {"structural_tag": json.dumps(const)}),
+        ("tag", p[1], {"structural_tag": json.dumps(STAG_TAG)}),
+        ("tag-sampled", p[2], {"structural_tag": json.dumps(STAG_TAG), "temperature": 1.0, "sampling_seed": 4}),
+    ]
+    reqs = [(rid, ids, {"max_new_tokens": 80, "ignore_eos": False, **f}) for rid, ids, f in reqs]
+    normal = run(tiny_llama_dir, False, reqs, **SERVER_ARGS)
+    tok = normal.scheduler.tokenizer
+    texts = {rid: tok.decode(normal.collected.ids[rid], skip_special_tokens=True) for rid, _, _ in reqs}
+    assert texts["const"] == "The capital is Berlin.", texts
+    for rid in ("tag", "tag-sampled"):
+        assert normal.collected.finishes[rid]["type"] == "stop", texts
+        m = re.fullmatch(r"<f>(.*)</f>", texts[rid], re.S)
+        assert m, texts[rid]
+        jsonschema.validate(json.loads(m.group(1)), STAG_SCHEMA)
+    assert_same(normal, run(tiny_llama_dir, True, reqs, **SERVER_ARGS))
+
+
+def _allowed_texts(backend, grammar, tok) -> list[str]:
+    """The text of each token the grammar allows next."""
+    mask = torch.zeros((1, (backend.vocab_size + 31) // 32), dtype=torch.int32)
+    grammar.fill_row(mask, 0)
+    return [tok.decode([i]) for i in range(len(tok)) if (int(mask[0, i // 32]) >> (i % 32)) & 1]
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_legacy_structural_tag_is_free_text_until_a_trigger(tiny_llama_dir, name):
+    """The legacy shape (SGLang's `structures` and `triggers`) on both backends that have it:
+    any text before the trigger; after a structure's `begin`, only its JSON schema."""
+    tok = load_tokenizer(str(tiny_llama_dir))
+    backend = create_grammar_backend(name, tok, len(tok), [tok.eos_token_id])
+    grammar = backend.make_grammar(backend.compile(("structural_tag", json.dumps(STAG_LEGACY))).result(timeout=60))
+    free = _allowed_texts(backend, grammar, tok)
+    assert len(free) > len(tok) // 2 and "<" in free
+    ids = tok.encode('Hi <f=a>{"n": 1}</f>', add_special_tokens=False)
+    split = next(k for k in range(len(ids)) if tok.decode(ids[:k]) == "Hi <f=a>")
+    for tid in ids[:split]:
+        grammar.accept_token(tid)
+    inside = _allowed_texts(backend, grammar, tok)
+    assert "{" in inside and all(t.strip() in ("", "{") for t in inside), inside
+    for tid in ids[split:]:
+        grammar.accept_token(tid)
+    assert len(_allowed_texts(backend, grammar, tok)) > len(tok) // 2  # free text again
+
+
+@pytest.mark.parametrize(
+    "backend,tag,message",
+    [
+        (
+            "xgrammar",
+            {"type": "structural_tag", "format": {"type": "bogus"}},
+            "invalid structural_tag: Format type not recognized: bogus",
+        ),
+        ("xgrammar", {"type": "structural_tag"}, "invalid structural_tag: needs 'format'"),
+        ("xgrammar", {**STAG_LEGACY, "triggers": ["<x"]}, "invalid structural_tag: One tag does not match any trigger"),
+        (
+            "xgrammar",
+            {**STAG_LEGACY, "structures": [{"begin": "<f", "schema": {"type": "foo"}, "end": ""}]},
+            'invalid structural_tag: Unsupported type "foo"',
+        ),
+        ("xgrammar", [1], "invalid structural_tag: must be a JSON object"),
+        (
+            "llguidance",
+            {**STAG_LEGACY, "triggers": ["<x"]},
+            "invalid structural_tag: structures[0].begin starts with no trigger",
+        ),
+        (
+            "llguidance",
+            {**STAG_LEGACY, "structures": []},
+            "invalid structural_tag: 'structures' must be a non-empty list",
+        ),
+        (
+            "llguidance",
+            STAG_TAG,
+            "the llguidance grammar backend (--grammar-backend llguidance) has no structural tag 'format'",
+        ),
+        ("outlines", STAG_LEGACY, "the outlines grammar backend (--grammar-backend outlines) has no structural_tag"),
+    ],
+)
+def test_bad_structural_tags_are_named(backend, tag, message):
+    with pytest.raises(ValueError) as e:
+        verify_grammar(("structural_tag", json.dumps(tag)), backend, True, True)
+    assert str(e.value).startswith(f"sampling_params.structural_tag: {message}"), str(e.value)
+    if backend != "outlines":
+        verify_grammar(("structural_tag", json.dumps(STAG_LEGACY)), backend, True, True)
+
+
+def test_structural_tag_sampling_param():
+    assert SamplingParams.from_dict({"structural_tag": STAG_TAG}).grammar_key() == (
+        "structural_tag",
+        json.dumps(STAG_TAG),
+    )
+    assert SamplingParams.from_dict({"structural_tag": ""}).grammar_key() is None
+    with pytest.raises(ValueError, match=r"sampling_params: structural_tag cannot be combined with regex"):
+        SamplingParams.from_dict({"structural_tag": "{}", "regex": "a"})

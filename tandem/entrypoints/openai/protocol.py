@@ -152,23 +152,36 @@ class JsonSchemaResponseFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
+    """`response_format`: plain text, any JSON object, JSON matching a schema, or SGLang's
+    structural tag (`{"type": "structural_tag", "format": {...}}`, xgrammar's, or the legacy
+    `structures` and `triggers`; the grammar backend checks the rest:
+    tandem/constrained/structural_tag.py)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaResponseFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    at_least_one: bool | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
+            raise ValueError(
+                "response_format: a structural_tag needs 'format', or the legacy 'structures' and 'triggers'"
+            )
         return self
 
-    def json_schema_string(self) -> str | None:
-        """The JSON schema this format asks for (None for text)."""
+    def grammar(self) -> tuple[str, str] | None:
+        """(sampling param, value) of the constraint this format asks for (None for text)."""
         if self.type == "json_object":
-            return '{"type": "object"}'
+            return "json_schema", '{"type": "object"}'
         if self.type == "json_schema":
-            return json.dumps(self.json_schema.schema_)
+            return "json_schema", json.dumps(self.json_schema.schema_)
+        if self.type == "structural_tag":
+            return "structural_tag", self.model_dump_json(exclude={"json_schema"}, exclude_none=True)
         return None
 
 
@@ -194,9 +207,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def grammar_fields(self) -> dict[str, tuple[str, str]]:
         fields = super().grammar_fields()
-        schema = self.response_format.json_schema_string() if self.response_format is not None else None
-        if schema is not None:
-            fields["response_format"] = ("json_schema", schema)
+        grammar = self.response_format.grammar() if self.response_format is not None else None
+        if grammar is not None:
+            fields["response_format"] = grammar
         return fields
 
     def _neutral_values(self) -> dict[str, Any]:
