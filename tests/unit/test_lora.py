@@ -81,3 +81,38 @@ def test_load_errors_name_the_module(tiny_llama_dir, tiny_mqa_dir, adapters, tmp
     with pytest.raises(ValueError, match="no adapter_config.json"):
         runner.lora.load("x", str(tmp_path))
     assert runner.lora.loaded() == {}
+
+
+def _lora_steps_on_rank(tp, model_dir: str, adapters: dict[str, str]):
+    """The mixed batch's greedy ids and logits on this rank (fp32, adapters a, b, c and the base)."""
+    from tandem.model_executor.model_runner import ModelRunner
+    from tandem.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model_dir,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=1024,
+        max_running_requests=8,
+        random_seed=0,
+        chunked_prefill_size=-1,
+        lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+    )
+    runner = ModelRunner(args, tp.rank, tp.size)
+    uids = [runner.lora.uids[n] for n in adapters] + [None]
+    return greedy_steps(runner, [PROMPTS[i % len(PROMPTS)] for i in range(len(uids))], STEPS, lora_uids=uids)
+
+
+@pytest.mark.slow  # two gloo ranks in subprocesses
+def test_two_ranks_equal_one(tiny_llama_dir, adapters, tmp_path):
+    """A split as the base layers: B's rows on column-parallel layers, A's columns on
+    row-parallel ones (their delta all-reduced with the output)."""
+    from test_parallel_layers import run_on_ranks
+
+    from tandem.distributed import TpGroup
+
+    single_ids, single_logits = _lora_steps_on_rank(TpGroup(), str(tiny_llama_dir), adapters)
+    for ids, logits in run_on_ranks(_lora_steps_on_rank, 2, tmp_path / "ranks", str(tiny_llama_dir), adapters):
+        assert ids == single_ids
+        for got, want in zip(logits, single_logits):
+            assert_near_largest(got, want, 1e-4)
