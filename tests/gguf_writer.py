@@ -573,8 +573,9 @@ def write_gguf(
     writer.add_head_count_kv(config["num_key_value_heads"])
     if model_type != "gemma2":  # Gemma2Model writes none (llama.cpp's default base, 10000)
         writer.add_rope_freq_base(rope_theta(config))
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) in ("linear", "yarn"):  # as LlamaModel/Qwen2Model write them
+    # (Gemma 3: its global layers' scaling, transformers 5's per-layer-type form)
+    scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("full_attention") or {}
+    if scaling.get("rope_type", scaling.get("type")) in ("linear", "yarn"):  # as TextModel writes them
         writer.add_rope_scaling_type(gguf.RopeScalingType(scaling.get("rope_type", scaling.get("type"))))
         writer.add_rope_scaling_factor(scaling["factor"])
         if "original_max_position_embeddings" in scaling:

@@ -82,7 +82,7 @@ def _gemma3():
         sliding_window=4,
         final_logit_softcapping=8.0,
         rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},  # as 4B-27B
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
     )
