@@ -15,6 +15,14 @@ permutation of llama-architecture files is undone on the rows, which quantized b
 allow since a block never spans rows), and indexing it dequantizes with gguf's vectorised
 numpy code, as a safetensors slice reads, so the existing weight loaders take it as is
 (`tandem.layers.weight_shard`). A layer that keeps blocks quantized reads `.blocks`.
+
+Families (`FAMILIES`, by `general.architecture`; Mixtral is `llama` with expert tensors):
+each maps llama.cpp's tensor names to its model's (`LAYER_NAMES`, a family's own
+`layer_names`), adds the config fields of its features from its metadata keys and from
+what llama.cpp fixes for it without a key (`GGUFMetadata.add_*_config`), and changes the
+tensors its model takes otherwise (`family_tensors`: Gemma's stored `1 + w` norms, Phi-3's
+fused rows split, a shared-expert gate's shape). Expert stacks ([experts, out, in]) are
+yielded whole; `FusedMoE` takes each expert's rows of blocks from them.
 """
 
 from __future__ import annotations
@@ -373,7 +381,7 @@ def _cache_root() -> str:
 
 
 # Bumped when what gguf_model_dir writes changes.
-CACHE_LAYOUT = 2
+CACHE_LAYOUT = 3
 
 
 def _cache_key(path: str) -> str:
