@@ -120,3 +120,14 @@ def test_openai_client_reads_reasoning_content(reasoning_server):
 
 def _server_info_parser(handle) -> str | None:
     return httpx.get(handle.base_url + "/get_server_info", timeout=30).json()["reasoning_parser"]
+
+
+def test_responses_route_splits_reasoning_as_chat_does(http):
+    """/v1/responses under the same parser: an output that opens no think block is one
+    message with chat's content, no reasoning item (the split itself: test_responses_events)."""
+    chat = _post(http, _body(max_tokens=8))["choices"][0]["message"]
+    r = http.post("/v1/responses", json={"input": MESSAGES[0]["content"], "max_output_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    output = r.json()["output"]
+    assert [item["type"] for item in output] == ["message"], output
+    assert chat["reasoning_content"] is None and output[0]["content"][0]["text"] == chat["content"]

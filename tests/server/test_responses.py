@@ -3,6 +3,7 @@ client, non-streamed and streamed, against /v1/chat/completions on the same prom
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -35,6 +36,8 @@ def test_responses_create_matches_chat(oai):
     message = resp.output[0]
     assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
     assert resp.usage.output_tokens == 6 and resp.usage.total_tokens == resp.usage.input_tokens + 6
+    # SGLang's usage keys beside OpenAI's (its tests read them).
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (resp.usage.input_tokens, 6)
     assert resp.metadata == {"k": "v"} and resp.max_output_tokens == 6 and resp.error is None
     # The same conversation as a message list, content as parts.
     items = [
@@ -87,3 +90,19 @@ def test_responses_refuses_unsupported_fields(oai):
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(**kwargs)
         assert e.value.status_code == 400 and e.value.body["message"].startswith(name), (extra, e.value.body)
+
+
+def test_responses_errors_nest_under_error(server):
+    """SGLang's test_error: /v1/responses errors are `{"error": {"message", "type", "code"}}`
+    (OpenAI's shape), request-validation errors too; other routes keep SGLang's flat shape."""
+    for body, param in (
+        ({"input": "Hi", "previous_response_id": "bad"}, "previous_response_id"),
+        ({"input": "Hi", "temperature": 5}, "temperature"),
+    ):
+        r = httpx.post(server.base_url + "/v1/responses", json={"model": "default", **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == 400 and error["type"] == "BadRequestError" and error["param"] == param, error
+        assert error["message"].startswith(param)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": [], "model": "m"}, timeout=60)
+    assert r.status_code == 400 and r.json()["object"] == "error", r.text

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: `{"object": "error", "message", "type", "param", "code"}`.
+"""OpenAI-shaped errors: `{"object": "error", "message", "type", "param", "code"}` (SGLang's
+shape), on /v1/responses nested as `{"error": {"message", "type", "param", "code"}}` (OpenAI's,
+which SGLang's tests of that route read).
 
 Client mistakes become 400 (401 for a missing/wrong API key, 404 for unknown routes or
 models); the server never answers 500 for something the client can fix. Handlers here
@@ -29,6 +31,8 @@ _NATIVE_TO_OPENAI = {
     "return_logprob": "logprobs",
     "min_new_tokens": "min_tokens",
 }
+# Routes whose errors nest under "error".
+NESTED_ERROR_PATHS = frozenset({"/v1/responses"})
 # Pydantic location parts that name a union member or validator, not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|lax-or-strict|json-or-python)\b|[\[\]<>]")
 
@@ -43,11 +47,12 @@ class OpenAIError(Exception):
         self.param = param
         self.type = type_ or _default_type(status)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"object": "error", "message": self.message, "type": self.type, "param": self.param, "code": self.status}
+    def to_dict(self, nested: bool = False) -> dict[str, Any]:
+        fields = {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        return {"error": fields} if nested else {"object": "error", **fields}
 
-    def response(self) -> Response:
-        return json_response(self.to_dict(), self.status)
+    def response(self, nested: bool = False) -> Response:
+        return json_response(self.to_dict(nested), self.status)
 
 
 def _default_type(status: int) -> str:
@@ -126,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return from_validation_error(exc).response()
+        return from_validation_error(exc).response(request.url.path in NESTED_ERROR_PATHS)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -134,8 +139,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: no such route"
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
-        return OpenAIError(message, exc.status_code).response()
+        return OpenAIError(message, exc.status_code).response(request.url.path in NESTED_ERROR_PATHS)
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> Response:
-        return exc.response()
+        return exc.response(request.url.path in NESTED_ERROR_PATHS)

@@ -2,10 +2,13 @@
 
 The input (a string, or messages with text content, after `instructions` as a system
 message) goes through the chat template like a chat request; the answer is one
-`response` object whose output is one assistant message, or, streamed, SGLang's sequence
-of typed events (`event: <type>` + `data: <json>`, no `[DONE]`):
+`response` object whose output is one assistant message (after a reasoning item with the
+think block, under `--reasoning-parser`, as SGLang answers), or, streamed, SGLang's
+sequence of typed events (`event: <type>` + `data: <json>`, no `[DONE]`):
 
     response.created, response.in_progress,
+    (with a think block) response.output_item.added, response.reasoning_text.delta ...,
+    response.reasoning_text.done, response.output_item.done,
     response.output_item.added, response.content_part.added,   (at the first text)
     response.output_text.delta ...,
     response.output_text.done, response.content_part.done, response.output_item.done,
@@ -32,6 +35,7 @@ from tandem.entrypoints.openai.protocol import ChatMessage, ResponsesRequest
 from tandem.entrypoints.openai.serving_chat import ChatServing, encode_chat_prompt, render_chat_prompt
 from tandem.entrypoints.responses import json_response
 from tandem.entrypoints.streams import merge_streams
+from tandem.reasoning_parser import ReasoningResult, ReasoningStream, parse_reasoning, starts_in_reasoning
 
 logger = logging.getLogger(__name__)
 # SGLang's default temperature for /v1/responses.
@@ -126,7 +130,26 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning output item (SGLang's, with `--reasoning-parser`): the think block's text
+    as one `reasoning_text` part (none while in progress)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def output_items(text: str, in_reasoning: bool | None) -> list[dict[str, Any]]:
+    """A finished output's items: its think block as a reasoning item (`in_reasoning` not
+    None: tandem/reasoning_parser.py), then the rest as the assistant message."""
+    split = parse_reasoning(text, in_reasoning) if in_reasoning is not None else ReasoningResult(content=text)
+    items = [reasoning_item(f"rs_{uuid.uuid4().hex}", split.reasoning, "completed")] if split.reasoning else []
+    if split.content:
+        items.append(message_item(f"msg_{uuid.uuid4().hex}", split.content, "completed"))
+    return items
+
+
 def usage_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage keys, and SGLang's (`prompt_tokens`, `completion_tokens`: its
+    /v1/responses answers with its chat usage, and its tests read those)."""
     prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
@@ -134,6 +157,8 @@ def usage_of(meta: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
     }
 
 
@@ -181,13 +206,19 @@ def response_object(
 
 
 class ResponsesStreamConverter:
-    """Turns one request's incremental outputs into the Responses API's typed events."""
+    """Turns one request's incremental outputs into the Responses API's typed events: with
+    `in_reasoning` (not None) the think block first, as a reasoning item (output 0) whose
+    text streams as `response.reasoning_text.delta` events, then the message."""
 
-    def __init__(self, req: ResponsesRequest, model: str, created: int):
+    def __init__(self, req: ResponsesRequest, model: str, created: int, in_reasoning: bool | None = None):
         self.req, self.model, self.created = req, model, created
         self.sequence_number = 0
+        self.reasoning = ReasoningStream(in_reasoning) if in_reasoning is not None else None
+        self.reasoning_id: str | None = None
+        self.reasoning_text = ""
         self.item_id: str | None = None
         self.text = ""
+        self.output: list[dict[str, Any]] = []  # the items done
         self.meta: dict[str, Any] = {}
 
     def _event(self, event_type: str, **fields: Any) -> bytes:
@@ -202,18 +233,50 @@ class ResponsesStreamConverter:
     def on_output(self, out: dict[str, Any]) -> list[bytes]:
         self.meta = out.get("meta_info") or self.meta
         delta = out.get("text") or ""
+        if self.reasoning is None:
+            return self._content(delta)
+        split = self.reasoning.feed(delta)
+        return self._reasoning(split.reasoning) + self._content(split.content)
+
+    def _reasoning(self, delta: str) -> list[bytes]:
         if not delta:
             return []
         events = []
+        if self.reasoning_id is None:
+            self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+            item = reasoning_item(self.reasoning_id, None, "in_progress")
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        self.reasoning_text += delta
+        fields = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return events + [self._event("response.reasoning_text.delta", **fields, delta=delta)]
+
+    def _close_reasoning(self) -> list[bytes]:
+        if self.reasoning_id is None or self.output:
+            return []
+        item = reasoning_item(self.reasoning_id, self.reasoning_text, "completed")
+        self.output.append(item)
+        fields = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **fields, text=self.reasoning_text),
+            self._event("response.output_item.done", output_index=0, item=item),
+        ]
+
+    def _content(self, delta: str) -> list[bytes]:
+        if not delta:
+            return []
+        events = self._close_reasoning()
+        index = len(self.output)
         if self.item_id is None:
             self.item_id = f"msg_{uuid.uuid4().hex}"
             events += [
                 self._event(
-                    "response.output_item.added", output_index=0, item=message_item(self.item_id, None, "in_progress")
+                    "response.output_item.added",
+                    output_index=index,
+                    item=message_item(self.item_id, None, "in_progress"),
                 ),
                 self._event(
                     "response.content_part.added",
-                    output_index=0,
+                    output_index=index,
                     item_id=self.item_id,
                     content_index=0,
                     part=output_text_part(""),
@@ -224,7 +287,7 @@ class ResponsesStreamConverter:
             self._event(
                 "response.output_text.delta",
                 content_index=0,
-                output_index=0,
+                output_index=index,
                 item_id=self.item_id,
                 delta=delta,
                 logprobs=[],
@@ -233,14 +296,18 @@ class ResponsesStreamConverter:
         return events
 
     def end(self) -> list[bytes]:
-        events, output = [], []
+        events = []
+        if self.reasoning is not None:
+            split = self.reasoning.finish()
+            events += self._reasoning(split.reasoning) + self._content(split.content)
+        events += self._close_reasoning()
         if self.item_id is not None:
-            item = message_item(self.item_id, self.text, "completed")
-            output.append(item)
+            item, index = message_item(self.item_id, self.text, "completed"), len(self.output)
+            self.output.append(item)
             events += [
                 self._event(
                     "response.output_text.done",
-                    output_index=0,
+                    output_index=index,
                     content_index=0,
                     text=self.text,
                     logprobs=[],
@@ -249,14 +316,14 @@ class ResponsesStreamConverter:
                 self._event(
                     "response.content_part.done",
                     item_id=self.item_id,
-                    output_index=0,
+                    output_index=index,
                     content_index=0,
                     part=output_text_part(self.text),
                 ),
-                self._event("response.output_item.done", output_index=0, item=item),
+                self._event("response.output_item.done", output_index=index, item=item),
             ]
         status = status_of(self.meta)
-        final = response_object(self.req, self.model, self.created, status, output, self.meta)
+        final = response_object(self.req, self.model, self.created, status, self.output, self.meta)
         return events + [self._event(f"response.{status}", response=final)]
 
     def failed(self, message: str) -> list[bytes]:
@@ -275,8 +342,9 @@ class ResponsesServing:
         self.chat = chat
         self.tm = chat.tm
 
-    async def prepare(self, req: ResponsesRequest) -> GenerateReqInput:
-        """Validate and tokenize `req`; raises OpenAIError for client mistakes."""
+    async def prepare(self, req: ResponsesRequest) -> tuple[GenerateReqInput, bool | None]:
+        """Validate and tokenize `req`; raises OpenAIError for client mistakes. Also whether
+        the output starts inside a think block (None: no `--reasoning-parser`)."""
         bad = req.unsupported_fields()
         if bad:
             raise OpenAIError(
@@ -287,12 +355,14 @@ class ResponsesServing:
         max_new = resolve_max_tokens(
             req.max_output_tokens, len(input_ids), self.tm.context_len, None, "max_output_tokens", "input"
         )
-        return GenerateReqInput(
+        obj = GenerateReqInput(
             input_ids=input_ids, sampling_params=responses_sampling_params(req, max_new), stream=bool(req.stream)
         )
+        parser = self.chat.server_args.reasoning_parser
+        return obj, (starts_in_reasoning(parser, text) if parser is not None else None)
 
     async def handle(self, request: Request, req: ResponsesRequest) -> Response:
-        obj = await self.prepare(req)
+        obj, in_reasoning = await self.prepare(req)
         try:
             streams = await open_streams(self.tm, obj)
         except ValueError as e:
@@ -300,20 +370,21 @@ class ResponsesServing:
                 e, {"text/input_ids": "input", "input_ids": "input", "max_tokens": "max_output_tokens"}
             ) from e
         model, created = req.model or self.chat.server_args.served_model_name or "default", int(time.time())
-        conv = ResponsesStreamConverter(req, model, created)
+        conv = ResponsesStreamConverter(req, model, created, in_reasoning)
         return await respond(
             request,
             streams,
             bool(req.stream),
             lambda s: _stream_body(conv, s),
-            lambda outputs: json_response(final_response(req, model, created, outputs[0])),
+            lambda outputs: json_response(final_response(req, model, created, outputs[0], in_reasoning)),
         )
 
 
-def final_response(req: ResponsesRequest, model: str, created: int, out: dict[str, Any]) -> dict[str, Any]:
+def final_response(
+    req: ResponsesRequest, model: str, created: int, out: dict[str, Any], in_reasoning: bool | None = None
+) -> dict[str, Any]:
     """The response object of a finished (non-streamed) generation."""
-    text = out.get("text") or ""
-    output = [message_item(f"msg_{uuid.uuid4().hex}", text, "completed")] if text else []
+    output = output_items(out.get("text") or "", in_reasoning)
     return response_object(req, model, created, status_of(out["meta_info"]), output, out["meta_info"])
 
 
