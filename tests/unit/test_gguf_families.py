@@ -75,7 +75,7 @@ def _gemma3():
 
     config = Gemma3TextConfig(
         **{**COMMON, "num_key_value_heads": 1},
-        num_hidden_layers=7,  # llama.cpp's 5:1 pattern: layer 5 global, the others sliding
+        num_hidden_layers=6,  # llama.cpp's 5:1 pattern: layer 5 global, the others sliding
         intermediate_size=128,
         head_dim=32,
         query_pre_attn_scalar=32,
