@@ -199,6 +199,20 @@ def stack_experts(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def per_expert_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each stacked ``blk.N.ffn_{gate,up,down}_exps`` as one tensor per expert,
+    ``blk.N.ffn_{gate,up,down}.E`` (llama.cpp's early Mixtral files)."""
+    out: dict[str, np.ndarray] = {}
+    for name, data in tensors.items():
+        base, _, suffix = name.rpartition(".")
+        if not base.endswith("_exps"):
+            out[name] = data
+            continue
+        for e in range(data.shape[0]):
+            out[f"{base.removesuffix('_exps')}.{e}.{suffix}"] = np.ascontiguousarray(data[e])
+    return out
+
+
 def longrope_factors(config: dict) -> dict[str, np.ndarray]:
     """Phi-3's longrope factors as tensors (Phi3MiniModel.generate_extra_tensors), if any."""
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
@@ -530,6 +544,7 @@ def write_gguf(
     split: int | None = None,
     unsupported: Mapping[str, str] | None = None,
     alignment: int | None = None,
+    split_experts: bool = False,
 ) -> Path:
     """Write ``model_dir`` (a make_tiny_model directory) as GGUF; return the file's path.
 
@@ -544,6 +559,8 @@ def write_gguf(
     names (2-D weights) to another ggml type name to write them in (e.g.
     ``{"blk.0.ffn_up.weight": "IQ4_NL"}``): any type gguf-py can quantize, or IQ4_NL.
     ``alignment``: a ``general.alignment`` other than the default 32 (tensor data aligned to it).
+    ``split_experts``: each expert's matrices as tensors of their own, ``blk.N.ffn_gate.E``,
+    as llama.cpp wrote Mixtral before its stacked ``ffn_gate_exps`` (and still reads).
     """
     model_dir, out_path = Path(model_dir), Path(out_path)
     if tensor_type not in SUPPORTED_TYPES:
@@ -554,6 +571,8 @@ def write_gguf(
         raise ValueError(f"unknown model_type {model_type!r}")
     arch_name = architecture or gguf.MODEL_ARCH_NAMES[MODEL_ARCHS[model_type]]
     tensors = gguf_tensors(model_dir)
+    if split_experts:
+        tensors = per_expert_tensors(tensors)
     unsupported = dict(unsupported or {})
     if missing := set(unsupported) - {n for n, t in tensors.items() if t.ndim == 2}:
         raise ValueError(f"unsupported= names no 2-D weight: {sorted(missing)}")

@@ -116,6 +116,9 @@ LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# llama.cpp's files from before its stacked expert tensors (spring 2024; Mixtral's early
+# files): one tensor per expert, blk.N.ffn_gate.E -> model.layers.N.mlp.experts.E.gate_proj.
+EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Tensors a converter writes that the model does not take as weights, read into the
 # config instead: rope_freqs (the rotary frequency divisors of Llama 3.x scaling) and
 # Phi-3's longrope factors.
@@ -496,6 +499,8 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
     names = {**LAYER_NAMES, **dict(family.layer_names)}
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in EXPERT_NAMES and parts[3].isdigit():
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{EXPERT_NAMES[parts[2]]}.{suffix}"
     return None
 
 

@@ -274,3 +274,21 @@ def test_each_rank_keeps_its_experts_blocks(model_dirs, tmp_path, tp_size):
         for e in range(experts.num_experts):
             torch.testing.assert_close(experts.kernels[0][e](x), x @ w13[e].T, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(experts.kernels[1][e](h), h @ w2[e].T, rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_tensors_load_as_the_stacked(model_dirs, tmp_path):
+    """llama.cpp's early Mixtral files hold one tensor per expert (`blk.N.ffn_gate.E`): the
+    same model as the stacked file, each expert on its own blocks."""
+    outputs = []
+    for split in (False, True):
+        path = write_gguf(
+            model_dirs["mixtral"], tmp_path / f"{split}.gguf", "Q8_0", tokenizer=False, split_experts=split
+        )
+        runner = make_runner(path, dtype="float32", skip_tokenizer_init=True)
+        experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        if cpu_kernels.load() is not None:
+            assert all(m.on_file_blocks == 2 * m.num_experts for m in experts)
+        outputs.append(greedy_steps(runner, PROMPTS, STEPS))
+    assert outputs[0][0] == outputs[1][0]
+    for stacked, split in zip(outputs[0][1], outputs[1][1]):
+        assert torch.equal(stacked, split)
