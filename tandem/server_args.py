@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 ATTENTION_BACKENDS = ["torch_native", "triton"]  # tandem/layers/attention/registry.py
 LOAD_BALANCE_METHODS = ["round_robin", "shortest_queue"]
+# --schedule-policy (tandem/scheduler/schedule_policy.py); priority scheduling orders within the second.
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+PRIORITY_POLICIES = ("fcfs", "lof")
 
 
 @dataclass
@@ -173,10 +176,10 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs: must be >= 1")
         if self.cuda_graph_bs is not None and min(self.cuda_graph_bs) < 1:
             raise ValueError("--cuda-graph-bs: batch sizes must be >= 1")
-        if self.schedule_policy not in ("fcfs", "lpm"):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy: unknown policy {self.schedule_policy!r}")
-        if self.enable_priority_scheduling and self.schedule_policy != "fcfs":
-            raise ValueError("--enable-priority-scheduling: needs --schedule-policy fcfs (as SGLang: fcfs or lof)")
+        if self.enable_priority_scheduling and self.schedule_policy not in PRIORITY_POLICIES:
+            raise ValueError("--enable-priority-scheduling: needs --schedule-policy fcfs or lof (as SGLang)")
         if self.priority_scheduling_preemption_threshold < 0:
             raise ValueError("--priority-scheduling-preemption-threshold: must be >= 0")
         for name in (
@@ -336,8 +339,10 @@ class ServerArgs:
         add(
             "--schedule-policy",
             default="fcfs",
-            choices=["fcfs", "lpm"],
-            help="Order of waiting requests: first come first served, or longest cached prefix first.",
+            choices=list(SCHEDULE_POLICIES),
+            help="Order of waiting requests (SGLang's policies): first come first served, longest cached prefix "
+            "first, a depth-first walk of the prefix tree (heavier subtrees first), longest output "
+            "(max_new_tokens) first, or random.",
         )
         add(
             "--max-queued-requests",

@@ -1,9 +1,13 @@
 """Which waiting requests join the next prefill batch, and in what order.
 
-`SchedulePolicy` orders the waiting queue: `fcfs` (arrival order) or `lpm` (longest
-cached prefix first; falls back to fcfs for very long queues, where matching every
-request each step would cost more than it saves). Under --enable-priority-scheduling
-(`PriorityOrder`, fcfs only, as SGLang) the order is by priority, then arrival.
+`SchedulePolicy` orders the waiting queue with SGLang's policies: `fcfs` (arrival order),
+`lpm` (longest cached prefix first; falls back to fcfs for very long queues, where
+matching every request each step would cost more than it saves), `dfs-weight` (a
+depth-first walk of the prefix tree, heavier subtrees first: requests sharing a cached
+prefix run together), `lof` (longest output first: largest max_new_tokens) or `random`.
+Without the radix cache the two cache-aware ones (`lpm`, `dfs-weight`) are fcfs, as in
+SGLang. Under --enable-priority-scheduling (`PriorityOrder`, fcfs or lof, as SGLang) the
+order is by priority, then arrival (fcfs) or the longest output (lof).
 
 `PrefillAdder` (SGLang's name) forms one prefill batch: it continues the chunked request,
 then admits waiting requests one by one while their KV fits:
@@ -19,13 +23,16 @@ estimate (as SGLang's): it starts at `init`, shrinks by `decay` every decode ste
 
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import dataclass, field
 
 from tandem.mem_cache.chunk_cache import ChunkCache
 from tandem.mem_cache.req_kv import ReqKVManager
 from tandem.scheduler.schedule_batch import Req
+from tandem.server_args import SCHEDULE_POLICIES
 
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 LPM_MAX_QUEUE = 128
 # Defer a waiting request whose prompt shares at least this many uncached tokens with a
 # request already in the prefill batch: next step it will hit the cache instead.
@@ -60,20 +67,61 @@ class PriorityOrder:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, kv: ReqKVManager, priority: PriorityOrder | None = None):
-        if policy not in ("fcfs", "lpm"):
+    def __init__(
+        self, policy: str, kv: ReqKVManager, priority: PriorityOrder | None = None, rng: random.Random | None = None
+    ):
+        if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy: unknown policy {policy!r}")
+        if policy in CACHE_AWARE_POLICIES and isinstance(kv.tree_cache, ChunkCache):
+            policy = "fcfs"  # no prefix tree to be aware of (SGLang does the same)
         self.policy = policy
         self.kv = kv
         self.priority = priority
+        self.rng = rng or random.Random()
 
     def order(self, waiting: list[Req]) -> list[Req]:
+        """`waiting` (in arrival order) in the order requests are admitted; ties keep arrival order."""
+        if self.policy == "lof":
+            if self.priority is not None:
+                return sorted(waiting, key=lambda r: (self.priority.preference(r), -r.sampling_params.max_new_tokens))
+            return sorted(waiting, key=lambda r: -r.sampling_params.max_new_tokens)
         if self.priority is not None:
             return sorted(waiting, key=self.priority.key)
+        if self.policy == "random":
+            return self.rng.sample(waiting, len(waiting))
+        if self.policy == "dfs-weight":
+            return self._dfs_weight_order(waiting)
         if self.policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
             return waiting
-        lens = {id(r): self.kv.tree_cache.match_prefix(r.cache_key(r.seq_len - 1)).slots.numel() for r in waiting}
-        return sorted(waiting, key=lambda r: -lens[id(r)])  # stable: ties keep arrival order
+        lens = {id(r): self._match(r).slots.numel() for r in waiting}
+        return sorted(waiting, key=lambda r: -lens[id(r)])
+
+    def _match(self, req: Req):
+        return self.kv.tree_cache.match_prefix(req.cache_key(req.seq_len - 1))
+
+    def _dfs_weight_order(self, waiting: list[Req]) -> list[Req]:
+        """SGLang's dfs-weight: each request sits at the deepest tree node its prompt
+        matches; a node weighs the requests in its subtree. A depth-first walk from the
+        root, heavier children first, lists each node's requests after its subtree's."""
+        at: dict[int, list[Req]] = {}
+        weight: dict[int, int] = {}
+        for req in waiting:
+            node = self._match(req).last_node
+            at.setdefault(node.id, []).append(req)
+            while node is not None:
+                weight[node.id] = weight.get(node.id, 0) + 1
+                node = node.parent
+        ordered: list[Req] = []
+        stack = [(self.kv.tree_cache.root_node, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                ordered.extend(at.get(node.id, ()))
+                continue
+            stack.append((node, True))
+            children = sorted((c for c in node.children.values() if c.id in weight), key=lambda c: -weight[c.id])
+            stack.extend((c, False) for c in reversed(children))
+        return ordered
 
 
 @dataclass

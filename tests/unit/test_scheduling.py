@@ -10,6 +10,7 @@ import pytest
 from scheduler_harness import SchedulerHarness
 
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
+from tandem.scheduler.schedule_policy import PriorityOrder
 
 SYSTEM = (
     "You are a helpful assistant who answers questions about the weather, the sea, "
@@ -177,5 +178,61 @@ def test_chunked_prefill_size_bounds_the_whole_prefill_batch(tiny_llama_dir, mon
         assert sizes and all(sum(s) <= 8 for s in sizes), sizes
         assert sizes[0] == [5, 3], sizes  # the second request chunked to fill the forward
         assert sum(map(sum, sizes)) == 25
+    finally:
+        h.close()
+
+
+def _queued(h: SchedulerHarness, prompts: list[list[int]], max_new: list[int]) -> list:
+    """Submit without running: the waiting queue, in arrival order."""
+    for i, (ids, n) in enumerate(zip(prompts, max_new)):
+        h.submit(f"q{i}", input_ids=ids, max_new_tokens=n)
+    s = h.scheduler
+    s.process_input_requests(s.recv_requests())
+    return list(s.batches.waiting_queue)
+
+
+def test_schedule_policies_order_the_waiting_queue(tiny_llama_dir, tokenized):
+    """SGLang's orders: dfs-weight walks the prefix tree heavier subtrees first, so the
+    three requests under the cached system prompt come before the one under the other
+    cached prompt that arrived first, and the uncached one (at the root, after its
+    subtrees) last; lof by max_new_tokens (ties by arrival); random permutes; the
+    cache-aware ones are fcfs without the radix cache."""
+    other = tokenized[6]
+    prompts = [other + [7, 8], tokenized[0], tokenized[1], tokenized[2], [9, 10, 11, 12]]
+    h = open_harness(tiny_llama_dir, "normal", schedule_policy="dfs-weight")
+    try:
+        run(h, [other], GREEDY)  # cached first: the tree lists its branch first
+        run(h, [tokenized[7]], GREEDY)
+        waiting = _queued(h, prompts, [5, 9, 2, 9, 4])
+        order = [r.rid for r in h.scheduler.batches.policy.order(waiting)]
+        assert order == ["q1", "q2", "q3", "q0", "q4"], order
+        h.scheduler.batches.policy.policy = "lof"
+        assert [r.rid for r in h.scheduler.batches.policy.order(waiting)] == ["q1", "q3", "q0", "q4", "q2"]
+        h.scheduler.batches.policy.priority = PriorityOrder(low_values_first=False, threshold=10)
+        for r, priority in zip(waiting, [1, 0, 0, 1, 1]):
+            r.priority = priority
+        # Under priority scheduling: by priority (high first here), then the longest output.
+        assert [r.rid for r in h.scheduler.batches.policy.order(waiting)] == ["q3", "q0", "q4", "q1", "q2"]
+        h.scheduler.batches.policy.priority = None
+        h.scheduler.batches.policy.policy = "random"
+        orders = {tuple(r.rid for r in h.scheduler.batches.policy.order(waiting)) for _ in range(6)}
+        assert len(orders) > 1 and all(sorted(o) == [r.rid for r in waiting] for o in orders)
+        h.run_until_idle()
+        h.assert_memory_idle()
+    finally:
+        h.close()
+    h = open_harness(tiny_llama_dir, "normal", schedule_policy="dfs-weight", disable_radix_cache=True)
+    try:
+        assert h.scheduler.batches.policy.policy == "fcfs"
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("policy", ["dfs-weight", "lof", "random"])
+def test_outputs_do_not_change_with_the_policy(tiny_llama_dir, tokenized, reference, policy):
+    h = open_harness(tiny_llama_dir, "overlap", schedule_policy=policy)
+    try:
+        rids = run(h, tokenized, GREEDY)
+        assert [h.collected.ids[r] for r in rids] == reference
     finally:
         h.close()
