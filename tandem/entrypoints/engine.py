@@ -128,10 +128,11 @@ class Engine:
         rid: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Output | Iterator[dict[str, Any]]:
         """Like POST /generate: a dict (or a list for a batch or n > 1), or with `stream=True`
         an iterator of chunks (with several outputs, each chunk carries its output's "index":
-        prompt_index * n + sample_index)."""
+        prompt_index * n + sample_index). `lora_path`: the LoRA adapter's name (one per prompt in a batch)."""
         obj = self._request(
             prompt,
             sampling_params,
@@ -144,6 +145,7 @@ class Engine:
             rid,
             token_ids_logprob,
             custom_logit_processor,
+            lora_path,
         )
         if stream:
             return self._sync_stream(obj)
@@ -162,6 +164,7 @@ class Engine:
         rid: str | list[str] | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         custom_logit_processor: str | list[str | None] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Output | AsyncIterator[dict[str, Any]]:
         """The asyncio twin of `generate`, usable from any event loop."""
         obj = self._request(
@@ -176,6 +179,7 @@ class Engine:
             rid,
             token_ids_logprob,
             custom_logit_processor,
+            lora_path,
         )
         if stream:
             return self._async_stream(obj)
@@ -286,6 +290,7 @@ class Engine:
         rid,
         token_ids_logprob,
         custom_logit_processor=None,
+        lora_path=None,
     ) -> GenerateReqInput:
         obj = GenerateReqInput(
             text=prompt,
@@ -299,6 +304,7 @@ class Engine:
             return_text_in_logprobs=return_text_in_logprobs,
             token_ids_logprob=token_ids_logprob,
             custom_logit_processor=custom_logit_processor,
+            lora_path=lora_path,
         )
         obj.validate_shape()
         return obj
