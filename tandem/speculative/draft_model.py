@@ -40,6 +40,8 @@ class DraftModel:
             context_length=target_runner.context_len,
             speculative_algorithm=None,
             speculative_draft_model_path=None,
+            enable_lora=False,  # adapters are the target's: the draft proposes from its base weights
+            lora_paths=None,
         )
         self.runner = ModelRunner(args, req_to_token_pool=target_runner.req_to_token_pool)
         self.vocab_size = target_runner.vocab_size
