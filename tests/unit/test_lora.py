@@ -2,7 +2,8 @@
 Llama and the same random adapters, in float32: greedy tokens equal PeftModel.generate's,
 every step's logits within 1e-4 of the largest; a batch mixing three adapters and the
 base equals each request run alone (and the base rows equal a server without LoRA); the
-slot pool evicts by LRU; load errors name the adapter and the module."""
+slot pool evicts by LRU; load errors name the adapter and the module; tensor parallelism 2
+gives TP 1's tokens and logits."""
 
 from __future__ import annotations
 
