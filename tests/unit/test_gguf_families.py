@@ -300,3 +300,19 @@ def test_per_expert_tensors_load_as_the_stacked(model_dirs, tmp_path):
     assert stacked.keys() == split.keys()
     assert all(torch.equal(stacked[name], split[name]) for name in stacked)
     assert all(torch.equal(a, b) for a, b in zip(stacked_products, split_products, strict=True))
+
+
+@pytest.mark.parametrize("family,layers", [("gemma2", 46), ("gemma3", 62)])
+def test_gemma_27b_attention_scale(tmp_path, family, layers):
+    """llama.cpp scales the 27B models' scores by (hidden / heads) ** -0.5, not head_dim ** -0.5
+    (the file says neither; the layer count tells the model): their query_pre_attn_scalar."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    kind = Gemma2Config if family == "gemma2" else Gemma3TextConfig
+    source = kind(**COMMON, num_hidden_layers=layers, intermediate_size=64, head_dim=32, sliding_window=4)
+    AutoModelForCausalLM.from_config(source).save_pretrained(tmp_path / "src")
+    path = write_gguf(tmp_path / "src", tmp_path / "m.gguf", "F32", tokenizer=False)
+    config = load_config(str(path))
+    assert config.query_pre_attn_scalar == COMMON["hidden_size"] // COMMON["num_attention_heads"] != config.head_dim
+    pattern = 2 if family == "gemma2" else 6  # llama.cpp's: the last layer of each run of `pattern` is global
+    assert config.layer_types[:pattern] == ["sliding_attention"] * (pattern - 1) + ["full_attention"]
