@@ -5,7 +5,8 @@ Built once per forward from the requests' slots (-1: no adapter): the tokens of 
 slot in use form one segment, padded to the longest, so a layer's delta is two batched
 matmuls over [segments, longest, ...] whatever the mix of requests (the idea of SGLang's
 and punica's segmented kernels; no loop over requests or adapters per layer). Tokens of
-no adapter are in no segment and cost nothing; padding rows are masked to zero.
+no adapter are in no segment and cost nothing; padding rows are masked to zero. On CUDA
+the same segments run as Triton kernels that read the tokens in place (triton_ops.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class LoraBatch:
     slots: torch.Tensor  # [n] the slot of each segment
     token_index: torch.Tensor  # [n, longest] the tokens of each segment (padding: token 0)
     mask: torch.Tensor  # [n, longest, 1] 1 for a real token, 0 for padding (model dtype)
+    counts: torch.Tensor  # [n] the tokens of each segment (int32)
 
     @classmethod
     def build(cls, req_slots: list[int], extend_lens: list[int], dtype, device) -> LoraBatch | None:
@@ -38,7 +40,8 @@ class LoraBatch:
         for i, g in enumerate(groups):  # one per adapter in use, at batch-building time
             index[i, : g.numel()] = g
             mask[i, : g.numel()] = 1
-        return cls(torch.tensor(used, device=device), index.to(device), mask.to(device))
+        counts = torch.tensor([g.numel() for g in groups], dtype=torch.int32, device=device)
+        return cls(torch.tensor(used, device=device), index.to(device), mask.to(device), counts)
 
     def add_delta(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base layer's output for `x`) plus each token's adapter delta, when
@@ -46,6 +49,10 @@ class LoraBatch:
         w = layer.lora_slots
         if w is None:
             return out
+        if x.is_cuda:  # imported here: on CPU Triton is never loaded
+            from tandem.lora.triton_ops import add_lora_delta
+
+            return add_lora_delta(x, out, w.a, w.b, self.slots, self.token_index, self.counts)
         xs = x[self.token_index]  # [n, longest, in]
         h = torch.bmm(xs, w.a[self.slots].transpose(1, 2)) * self.mask  # [n, longest, P*R]
         delta = torch.bmm(h, w.b[self.slots].transpose(1, 2))  # [n, longest, out]
