@@ -1,23 +1,36 @@
-"""Run SGLang's own server tests against Tandem (#9). Not part of CI: it needs the SGLang
-peer environment (`bash ../shared/peers/setup.sh sglang`) and SGLang's test files.
+"""Run SGLang's own server tests against Tandem (#9, #26), or against SGLang itself, and
+print the two side by side. Not part of CI: it needs SGLang's package (for
+`sglang.test.test_utils`) and SGLang's test files.
 
-    /tmp/peers/venv-sgl/bin/python benchmarks/sglang_suite.py --model-path DIR \\
-        --tests-dir DIR [--drop-flag=--FLAG] test_srt_endpoint test_matched_stop ...
+    PYTHONPATH=SGL_PKG .venv/bin/python benchmarks/sglang_suite.py --model-path DIR \
+        --tests-dir DIR [--results tandem.json] test_srt_endpoint test_matched_stop ...
+    .../venv-sgl/bin/python benchmarks/sglang_suite.py --engine sglang --results sglang.json ...
+    python benchmarks/sglang_suite.py --compare sglang.json tandem.json
 
-`--tests-dir` holds test modules copied from SGLang's repository (test/srt/...); they are
-SGLang's code (Apache-2.0) and are not shipped here. Each module is run with unittest, as
-SGLang runs them, after two substitutions:
+SGLang's package without its server dependencies is enough for Tandem's runs:
+`pip install --no-deps --target SGL_PKG sglang==0.5.23` and then, the same way, each module
+`import sglang.test.test_utils` still misses (pybase64, pillow, msgspec, IPython, aiohttp,
+datasets, pandas, torchvision patched by ../shared/peers/patch_torchvision_cpu.py, ...); the
+full peer environment (`bash ../shared/peers/setup.sh sglang`) is needed to run SGLang's
+server (`--engine sglang`).
+
+`--tests-dir` holds test modules copied from SGLang's repository (test/registered/...,
+test/srt/...); they are SGLang's code (Apache-2.0) and are not shipped here. Each module is
+run with unittest, as SGLang runs them, after two substitutions:
 - every `DEFAULT_*MODEL*` name in `sglang.test.test_utils` becomes `--model-path` (a
   local model directory; no hub access), and
-- `popen_launch_server` launches Tandem: the `sglang serve ...` command it builds runs
-  `python -m tandem.launch_server ...` with the same flags (a `sglang` script first on
-  PATH), in Tandem's environment (`--tandem-python`).
-Prints each test's result and, at the end, the pass count per module.
+- (`--engine tandem`) `popen_launch_server` launches Tandem: the `sglang serve ...` command
+  it builds runs `python -m tandem.launch_server ...` with the same flags (a `sglang` script
+  first on PATH), in Tandem's environment (`--tandem-python`, without PYTHONPATH).
+Prints each test's result and, at the end, the pass count per module; `--results` keeps
+each test's outcome (ok, fail, error, skip; a failing setUpClass fails its class's tests)
+for `--compare`, which lists every test with both outcomes and the pass counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import stat
 import sys
@@ -37,7 +50,7 @@ def _install_launcher(bin_dir: Path, tandem_python: str, drop: list[str]) -> Non
         "#!/bin/sh\n"
         '[ "$1" = serve ] && shift\n'
         f'for a do shift; case "$a" in {skip}) ;; *) set -- "$@" "$a" ;; esac; done\n'
-        f'cd {REPO} && exec {tandem_python} -m tandem.launch_server "$@"\n'
+        f'cd {REPO} && exec env -u PYTHONPATH {tandem_python} -m tandem.launch_server "$@"\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -51,10 +64,48 @@ def _point_models_at(model_path: str) -> None:
             setattr(tu, name, model_path)
 
 
+def _outcomes(suite: unittest.TestSuite, result: unittest.TestResult) -> dict[str, str]:
+    """Each test id -> ok / fail / error / skip; a class whose setUpClass failed fails its tests."""
+    outcomes = {test.id(): "ok" for test in _tests(suite)}
+    for kind, pairs in (("fail", result.failures), ("error", result.errors), ("skip", result.skipped)):
+        for test, _ in pairs:
+            if isinstance(test, unittest.TestCase):
+                outcomes[test.id()] = kind
+            else:  # _ErrorHolder "setUpClass (module.Class)": every test of that class
+                name = str(test).partition("(")[2].rstrip(")")
+                for tid in outcomes:
+                    if tid.startswith(name + "."):
+                        outcomes[tid] = kind
+    return outcomes
+
+
+def _tests(suite):
+    for item in suite:
+        if isinstance(item, unittest.TestSuite):
+            yield from _tests(item)
+        else:
+            yield item
+
+
+def compare(a_path: str, b_path: str) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    names = [Path(p).stem for p in (a_path, b_path)]
+    print(f"| test | {names[0]} | {names[1]} |\n|---|---|---|")
+    for tid in sorted(set(a) | set(b)):
+        print(f"| {tid} | {a.get(tid, '-')} | {b.get(tid, '-')} |")
+    print(f"| passed | {sum(v == 'ok' for v in a.values())} | {sum(v == 'ok' for v in b.values())} |")
+    both = [t for t in a if a[t] == "ok" and b.get(t) != "ok"]
+    print(f"\n{names[0]} passes and {names[1]} does not ({len(both)}): {', '.join(both) or 'none'}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--tests-dir", required=True)
+    ap.add_argument("--compare", nargs=2, metavar="RESULTS", help="print two --results files side by side")
+    ap.add_argument("--model-path")
+    ap.add_argument("--tests-dir")
+    ap.add_argument("--engine", choices=["tandem", "sglang"], default="tandem")
+    ap.add_argument("--results", help="write each test's outcome here (JSON), for --compare")
     ap.add_argument("--tandem-python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument(
         "--drop-flag",
@@ -63,22 +114,29 @@ def main() -> int:
         help="a value-less flag to leave out of every launch, as --drop-flag=--FLAG (diagnosis: run the tests "
         "of a class whose server needs a flag Tandem refuses)",
     )
-    ap.add_argument("modules", nargs="+", help="test module names (or module.Class.test) in --tests-dir")
+    ap.add_argument("modules", nargs="*", help="test module names (or module.Class.test) in --tests-dir")
     args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    if not (args.model_path and args.tests_dir and args.modules):
+        ap.error("--model-path, --tests-dir and at least one module are required")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _install_launcher(Path(tempfile.mkdtemp(prefix="tandem-sglang-suite-")), args.tandem_python, args.drop_flag)
+    if args.engine == "tandem":
+        _install_launcher(Path(tempfile.mkdtemp(prefix="tandem-sglang-suite-")), args.tandem_python, args.drop_flag)
     _point_models_at(os.path.abspath(args.model_path))
     sys.path.insert(0, os.path.abspath(args.tests_dir))
 
-    summary = []
+    summary, outcomes = [], {}
     for name in args.modules:
         suite = unittest.defaultTestLoader.loadTestsFromName(name)
         result = unittest.TextTestRunner(verbosity=2).run(suite)
-        # A failing setUpClass is one error for the class: its tests count as not passed.
-        bad = sum(isinstance(test, unittest.TestCase) for test, _ in result.failures + result.errors)
-        passed = result.testsRun - bad - len(result.skipped)
-        summary.append((name, passed, suite.countTestCases(), len(result.skipped)))
+        found = _outcomes(suite, result)
+        outcomes.update(found)
+        values = list(found.values())
+        summary.append((name, values.count("ok"), len(values), values.count("skip")))
+    if args.results:
+        Path(args.results).write_text(json.dumps(outcomes, indent=1, sort_keys=True))
     print("\n| module | passed | run | skipped |\n|---|---|---|---|")
     for name, passed, run, skipped in summary:
         print(f"| {name} | {passed} | {run} | {skipped} |")
