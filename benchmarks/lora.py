@@ -8,13 +8,16 @@ The adapters are random, in PEFT's format, on every projection (q/k/v/o/gate/up/
 `--rank`, written to a temporary directory from the model's shapes. One offline Engine per
 configuration; each run is one batch of `--concurrency` prompts (distinct, 32 tokens each,
 greedy, EOS ignored), request i using adapter i mod k. Throughput: output tokens over the
-batch's wall time, the median of `--repeats` runs after a warm-up.
+batch's wall time, the median of `--repeats` runs after a warm-up. Each row also prints the
+machine's 1-minute load average when it ended (a shared machine: a load above the core
+count means other processes took CPU time from the run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -79,12 +82,12 @@ def main() -> None:
             names = [f"a{i % k}" if k else None for i in range(n)]
             with Engine(model_path=args.model, random_seed=0, max_loras_per_batch=8, **flags) as engine:
                 rate = throughput(engine, prompts, names, args.max_new_tokens, args.repeats)
-            rows.append((label, rate))
-            print(f"{label:22s} {rate:8.1f} output tok/s", flush=True)
+            rows.append((label, rate, os.getloadavg()[0]))
+            print(f"{label:22s} {rate:8.1f} output tok/s (load {rows[-1][2]:.1f})", flush=True)
     base = rows[0][1]
-    print(f"\n| {n} concurrent requests | output tok/s | vs base |\n|---|---:|---:|")
-    for label, rate in rows:
-        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x |")
+    print(f"\n| {n} concurrent requests | output tok/s | vs base | load average |\n|---|---:|---:|---:|")
+    for label, rate, load in rows:
+        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {load:.1f} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ class LoraBatch:
     token_index: torch.Tensor  # [n, longest] the tokens of each segment (padding: token 0)
     mask: torch.Tensor  # [n, longest, 1] 1 for a real token, 0 for padding (model dtype)
     counts: torch.Tensor  # [n] the tokens of each segment (int32)
+    # The slot when every token of the batch uses that one adapter (two plain matmuls on CPU).
+    whole_slot: int | None = None
 
     @classmethod
     def build(cls, req_slots: list[int], extend_lens: list[int], dtype, device) -> LoraBatch | None:
@@ -41,7 +43,8 @@ class LoraBatch:
             index[i, : g.numel()] = g
             mask[i, : g.numel()] = 1
         counts = torch.tensor([g.numel() for g in groups], dtype=torch.int32, device=device)
-        return cls(torch.tensor(used, device=device), index.to(device), mask.to(device), counts)
+        whole = used[0] if len(used) == 1 and longest == per_token.numel() else None
+        return cls(torch.tensor(used, device=device), index.to(device), mask.to(device), counts, whole)
 
     def add_delta(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base layer's output for `x`) plus each token's adapter delta, when
@@ -53,6 +56,8 @@ class LoraBatch:
             from tandem.lora.triton_ops import add_lora_delta
 
             return add_lora_delta(x, out, w.a, w.b, self.slots, self.token_index, self.counts)
+        if self.whole_slot is not None:
+            return out.add_((x @ w.a[self.whole_slot].t()) @ w.b[self.whole_slot].t())
         xs = x[self.token_index]  # [n, longest, in]
         h = torch.bmm(xs, w.a[self.slots].transpose(1, 2)) * self.mask  # [n, longest, P*R]
         delta = torch.bmm(h, w.b[self.slots].transpose(1, 2))  # [n, longest, out]
