@@ -136,4 +136,4 @@ class LoraManager:
         """The forward's `LoraBatch` for requests using adapters `uids` (None: none)."""
         if uids is None or all(u is None for u in uids):
             return None
-        return LoraBatch.build(self.slots_for(uids), extend_lens, self.dtype, self.device)
+        return LoraBatch.build(self.slots_for(uids), extend_lens, self.pool.num_slots, self.dtype, self.device)

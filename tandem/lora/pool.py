@@ -4,8 +4,9 @@ adapters at once, in the layout the batched matmuls read (`tandem.lora.batch`).
 Per target linear layer (`LinearBase.lora_slots`), with P fused parts (q/k/v: 3,
 gate/up: 2, else 1) and R = --max-lora-rank:
   a [slots, P*R, in]   part p's A in rows [p*R, p*R + r)
-  b [slots, out, P*R]  part p's B in its output rows, columns [p*R, p*R + r): block
-                       diagonal, so one matmul gives every part's delta
+  b [slots, P*R, out]  part p's B (transposed) in rows [p*R, p*R + r), its output columns:
+                       block diagonal, so one matmul gives every part's delta; and
+                       `b.view(slots * P*R, out)` is every slot's at once (a view)
 An adapter of rank r < R, or lacking a part, leaves zeros there, which add nothing.
 
 Tensor parallelism: each rank keeps its share, split as the base layer is. A column-
@@ -61,7 +62,7 @@ class LoraLayerSlots:
     part lies in the whole (checkpoint) matrices."""
 
     a: torch.Tensor  # [slots, P*R, in]
-    b: torch.Tensor  # [slots, out, P*R]
+    b: torch.Tensor  # [slots, P*R, out]: B transposed
     rank: int  # R
     out_offsets: list[int]  # part p's rows in this rank's output
     out_sizes: list[int]
@@ -74,7 +75,7 @@ class LoraLayerSlots:
         cols = self.a.shape[2]
         self.a[slot, lo : lo + r].copy_(a[:, self.in_start : self.in_start + cols])
         rows = b[self.out_starts[part] : self.out_starts[part] + size]
-        self.b[slot, self.out_offsets[part] : self.out_offsets[part] + size, lo : lo + r].copy_(rows)
+        self.b[slot, lo : lo + r, self.out_offsets[part] : self.out_offsets[part] + size].copy_(rows.t())
 
 
 def _parts(layer: LinearBase) -> tuple[list[int], list[int], list[int], int]:
@@ -118,7 +119,7 @@ class LoraPool:
         width = len(sizes) * self.max_rank
         return LoraLayerSlots(
             torch.zeros(self.num_slots, width, layer.in_features, dtype=dtype, device=device),
-            torch.zeros(self.num_slots, layer.out_features, width, dtype=dtype, device=device),
+            torch.zeros(self.num_slots, width, layer.out_features, dtype=dtype, device=device),
             self.max_rank,
             offsets,
             sizes,

@@ -3,7 +3,7 @@ as two kernels (SGLang's and punica's shrink and expand), reading the tokens of 
 segment in place through its index row, so nothing is gathered or padded in memory.
 
   shrink  h[seg, i, :] = x[index[seg, i]] @ a[slot[seg]]^T           (float32)
-  expand  out[index[seg, i]] += h[seg, i] @ b[slot[seg]]^T
+  expand  out[index[seg, i]] += h[seg, i] @ b[slot[seg]]       (b: B transposed)
 
 One program per (segment, block of its tokens, block of output columns); rows past the
 segment's count are masked, and every token is in at most one segment, so the expand's
@@ -90,7 +90,7 @@ def _expand_kernel(
     stride_hs,
     stride_hm,
     stride_bs,
-    stride_bo,
+    stride_bw,
     stride_out,
     stride_index,
     BLOCK_M: tl.constexpr,
@@ -113,7 +113,7 @@ def _expand_kernel(
             other=0.0,
         )
         b = tl.load(
-            B + slot * stride_bs + offs_n[None, :] * stride_bo + offs_k[:, None],
+            B + slot * stride_bs + offs_k[:, None] * stride_bw + offs_n[None, :],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )
@@ -132,10 +132,10 @@ def add_lora_delta(
     token_index: torch.Tensor,
     counts: torch.Tensor,
 ) -> torch.Tensor:
-    """`out` += each segment's tokens' `x @ a[slot]^T @ b[slot]^T` (in place); `a` [S, W, in],
-    `b` [S, out, W], `token_index` [n, longest], `counts` [n] (the tokens of each segment)."""
+    """`out` += each segment's tokens' `x @ a[slot]^T @ b[slot]` (in place); `a` [S, W, in],
+    `b` [S, W, out], `token_index` [n, longest], `counts` [n] (the tokens of each segment)."""
     x, n, longest = x.contiguous(), token_index.shape[0], token_index.shape[1]
-    width, in_features, out_features = a.shape[1], a.shape[2], b.shape[1]
+    width, in_features, out_features = a.shape[1], a.shape[2], b.shape[2]
     h = torch.empty(n, longest, width, dtype=torch.float32, device=x.device)
     precision = dot_precision(x.dtype)
     m_blocks = triton.cdiv(longest, BLOCK_M)
