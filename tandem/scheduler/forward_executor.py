@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.constrained.vocab_mask import batch_vocab_mask, fill_when_due
+from tandem.forward_batch import ForwardMode
 from tandem.scheduler.forward_watchdog import ForwardWatchdog
 from tandem.scheduler.profiler import SchedulerProfiler
 from tandem.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
@@ -89,7 +90,9 @@ class ForwardExecutor:
     def _run(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         mode = mwb.forward_batch.forward_mode
         if self.compute_threads is not None:
-            self.compute_threads.apply(mode)  # NOTE: per thread: the forward's own
+            # NOTE: per thread: the forward's own. A speculative verify forward (an EXTEND of
+            # a few tokens per request) takes the decode step's count.
+            self.compute_threads.apply(ForwardMode.DECODE if mwb.draft_ids is not None else mode)
         start = time.perf_counter()
         result = self.worker.forward_batch_generation(mwb)
         if result.copy_done is not None:

@@ -7,6 +7,11 @@ run as one EXTEND forward that returns every position's logits). After its resul
 request keeps its accepted tokens and the slots of its rejected drafts are freed at once
 (`ReqKVManager.release_rejected`).
 
+A request whose verify step accepted fewer than MIN_PROFITABLE_ACCEPTED drafts waits 1,
+3, 7, 15, then 31 decode steps (while its steps keep falling short) before it drafts
+again: on text that does not repeat itself a verify forward, dearer than a decode step
+on CPU, is rarely spent for nothing.
+
 It returns None, and the step is a plain decode, when no request has a draft, when the
 batch holds a request that does not speculate (penalties or min_new_tokens, a grammar, a
 custom logit processor: their logits depend on each preceding token) or when the drafts'
@@ -25,6 +30,13 @@ from tandem.server_args import ServerArgs
 from tandem.speculative.args import resolve_speculative_args
 from tandem.speculative.ngram import NgramProposer
 
+# A verify step that accepts fewer drafts than this costs more than the decode steps it
+# saves (on CPU a verify forward of 4 tokens costs ~2.4 decode steps of the default
+# model: docs/perf-log/speculative.md); a request whose steps keep falling short drafts
+# at most every 2**5 steps.
+MIN_PROFITABLE_ACCEPTED = 2
+MAX_BACKOFF_EXPONENT = 5
+
 
 @dataclass
 class SpecReqState:
@@ -36,6 +48,10 @@ class SpecReqState:
     accepted_tokens: int = 0  # drafts accepted (spec_accept_token_num)
     draft_kv_len: int = 0
     draft_key: tuple[int, int] | None = None
+    # Back-off: verify steps in a row whose drafts were all rejected, and the decode
+    # steps left before it drafts again.
+    misses: int = 0
+    cooldown: int = 0
 
 
 def can_speculate(req: Req) -> bool:
@@ -71,7 +87,10 @@ class SpeculativeDecoder:
         if not all(can_speculate(r) for r in running):
             return None
         # A request's drafts and bonus token stay within its max_new_tokens.
-        limits = [min(self.num_drafts, r.sampling_params.max_new_tokens - len(r.output_ids) - 1) for r in running]
+        limits = [
+            0 if r.spec.cooldown else min(self.num_drafts, r.sampling_params.max_new_tokens - len(r.output_ids) - 1)
+            for r in running
+        ]
         if self.draft_model is None:
             drafts = [self.ngram.propose(r.seq_ids, n) for r, n in zip(running, limits)]
         else:
@@ -94,9 +113,17 @@ class SpeculativeDecoder:
 
     def record_step(self, req: Req, drafted: int, accepted: int) -> None:
         """One decode step of `req` (a verify step, or a plain decode: no drafts) is processed."""
-        req.spec.verify_ct += 1
-        req.spec.draft_tokens += drafted
-        req.spec.accepted_tokens += accepted
+        state = req.spec
+        state.verify_ct += 1
+        state.draft_tokens += drafted
+        state.accepted_tokens += accepted
+        if drafted == 0:
+            state.cooldown = max(0, state.cooldown - 1)
+        elif accepted < MIN_PROFITABLE_ACCEPTED:  # not worth its forward: wait 1, 3, ... 31 steps
+            state.misses += 1
+            state.cooldown = 2 ** min(state.misses, MAX_BACKOFF_EXPONENT) - 1
+        else:
+            state.misses = 0
         self.verify_steps += 1
         self.proposed += drafted
         self.accepted += accepted

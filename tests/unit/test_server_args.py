@@ -26,8 +26,6 @@ SET_VALUES = {
     "kv_cache_dtype": ["fp8_e5m2"],
     "quantization": ["fp8"],
     "lora_paths": ["a=/x", "b=/y"],
-    "speculative_algorithm": ["EAGLE"],
-    "speculative_draft_model_path": ["/draft"],
     "reasoning_parser": ["glm45"],
     "tool_call_parser": ["mistral"],
     "revision": ["main"],
