@@ -127,12 +127,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
-    def verify(self, vocab_size: int | None = None) -> None:
+    def verify(self) -> None:
         """Raise ValueError naming the field when a value has the wrong type or range.
 
         Every value that reaches a tensor is bounded here: integers fit in 64 bits,
-        floats are finite, `n` is at most MAX_N, token ids are inside the vocabulary
-        (when `vocab_size` is given).
+        floats are finite, `n` is at most MAX_N, token ids are not negative.
         """
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_number("temperature", self.temperature, lo=0.0)
@@ -160,10 +159,6 @@ class SamplingParams:
             raise ValueError("sampling_params.stop_token_ids: must be a list of token ids")
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, lo=0)
-            if vocab_size is not None and tid >= vocab_size:
-                raise ValueError(
-                    f"sampling_params.stop_token_ids: id {tid} is outside the vocabulary of size {vocab_size}"
-                )
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling_params.{name}: must be a boolean")
@@ -200,9 +195,12 @@ class SamplingParams:
 
     def normalize(self, vocab_size: int) -> None:
         """Clamp what is larger than the model can use: a top_k past the vocabulary means
-        all of it. (The scheduler caps max_new_tokens to the context.) Call after verify()."""
+        all of it; a stop token id past it can never be sampled and is dropped (SGLang
+        accepts such ids too: its tests send Llama-3's ids to any model). (The scheduler
+        caps max_new_tokens to the context.) Call after verify()."""
         if self.top_k > vocab_size:
             self.top_k = vocab_size
+        self.stop_token_ids = [tid for tid in self.stop_token_ids if tid < vocab_size]
 
 
 def _check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> None:

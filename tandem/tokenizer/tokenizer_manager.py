@@ -323,7 +323,6 @@ class TokenizerManager:
             if bad:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         params = SamplingParams.from_dict(obj.sampling_params)
-        params.verify(self.vocab_size)
         params.normalize(self.vocab_size)
         if params.grammar_key() is not None:
             verify_grammar(

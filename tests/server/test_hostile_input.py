@@ -88,7 +88,7 @@ def test_top_k_past_int64_is_400_and_the_server_lives(client):
         (f'{{"max_new_tokens": {INT64_OVER}}}', "max_new_tokens"),
         (f'{{"min_new_tokens": {INT64_OVER - 1}}}', "min_new_tokens"),
         (f'{{"stop_token_ids": [{INT64_OVER}]}}', "stop_token_ids"),
-        ('{"stop_token_ids": [100000]}', "stop_token_ids"),
+        ('{"stop_token_ids": [-5]}', "stop_token_ids"),  # past the vocabulary: ignored, as SGLang
     ],
 )
 def test_native_sampling_numbers_out_of_range_are_400(client, params, field):

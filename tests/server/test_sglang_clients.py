@@ -171,7 +171,9 @@ def test_sglang_fields_accepted_or_named(client):
     ok = {
         "text": "Hi",
         "sampling_params": {
-            "max_new_tokens": 1,
+            "max_new_tokens": 2,
+            "min_new_tokens": 1,  # bans the stop ids below while it lasts
+            "stop_token_ids": [119690],  # Llama-3's id, past the tiny vocabulary: ignored, as SGLang
             "regex": None,
             "json_schema": "",
             "ebnf": None,

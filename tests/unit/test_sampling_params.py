@@ -47,11 +47,13 @@ def test_invalid_values_name_the_field(params, field):
         SamplingParams.from_dict(params)
 
 
-def test_stop_token_ids_checked_against_vocab():
-    p = SamplingParams.from_dict({"stop_token_ids": [99]})
-    p.verify(vocab_size=100)
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        p.verify(vocab_size=50)
+def test_stop_token_ids_past_the_vocabulary_are_dropped():
+    """As SGLang, which accepts them (its tests send Llama-3's ids to any model); negative ones are a 400."""
+    p = SamplingParams.from_dict({"stop_token_ids": [99, 7, 119690]})
+    p.normalize(vocab_size=100)
+    assert p.stop_token_ids == [99, 7]
+    with pytest.raises(ValueError, match="sampling_params.stop_token_ids: must be >= 0"):
+        SamplingParams.from_dict({"stop_token_ids": [-1]})
 
 
 @pytest.mark.parametrize(
@@ -119,7 +121,6 @@ def test_error_messages_stay_short_for_huge_or_deep_values():
 
 def test_top_k_past_the_vocabulary_means_all_of_it():
     p = SamplingParams.from_dict({"top_k": 2**63 - 1, "sampling_seed": -(2**63), "n": 128})
-    p.verify(vocab_size=100)
     p.normalize(vocab_size=100)
     assert p.top_k == 100
     p = SamplingParams.from_dict({"top_k": 5})
