@@ -157,6 +157,26 @@ def test_ngram_mixed_with_a_penalized_request(stories_dir, stories_reqs, stories
     assert spec.scheduler.control.server_state("x").spec_accepted_tokens == s.accepted
 
 
+def test_ngram_abort_while_running(stories_dir, stories_reqs):
+    """An abort that arrives between verify steps ends the request at its next result,
+    with its KV released once."""
+    h = SchedulerHarness(stories_dir, disable_overlap_schedule=True, speculative_algorithm="NGRAM")
+    try:
+        rid, ids, _ = stories_reqs[0]
+        h.submit(rid, stream=True, input_ids=ids, max_new_tokens=150)
+        while len(h.collected.ids[rid]) < 20 and h.step():
+            pass
+        assert h.scheduler.spec.verify_steps > 0 and rid not in h.collected.finishes
+        h.abort(rid)
+        h.run_until_idle()
+        assert h.collected.finishes[rid]["type"] == "abort"
+        assert len(h.collected.ids[rid]) < 150
+        h.assert_memory_idle()
+        h.assert_released_once()
+    finally:
+        h.close()
+
+
 @pytest.mark.slow
 def test_standalone_same_outputs(tiny_llama_dir, tiny_llama_b_dir):
     reqs = [(rid, p, {**f, "max_new_tokens": min(f["max_new_tokens"], 16)}) for rid, p, f in workload(random_prompts())]
