@@ -64,9 +64,9 @@ def _point_models_at(model_path: str) -> None:
             setattr(tu, name, model_path)
 
 
-def _outcomes(suite: unittest.TestSuite, result: unittest.TestResult) -> dict[str, str]:
+def _outcomes(test_ids: list[str], result: unittest.TestResult) -> dict[str, str]:
     """Each test id -> ok / fail / error / skip; a class whose setUpClass failed fails its tests."""
-    outcomes = {test.id(): "ok" for test in _tests(suite)}
+    outcomes = dict.fromkeys(test_ids, "ok")
     for kind, pairs in (("fail", result.failures), ("error", result.errors), ("skip", result.skipped)):
         for test, _ in pairs:
             if isinstance(test, unittest.TestCase):
@@ -130,8 +130,9 @@ def main() -> int:
     summary, outcomes = [], {}
     for name in args.modules:
         suite = unittest.defaultTestLoader.loadTestsFromName(name)
+        test_ids = [test.id() for test in _tests(suite)]  # the run empties the suite
         result = unittest.TextTestRunner(verbosity=2).run(suite)
-        found = _outcomes(suite, result)
+        found = _outcomes(test_ids, result)
         outcomes.update(found)
         values = list(found.values())
         summary.append((name, values.count("ok"), len(values), values.count("skip")))
