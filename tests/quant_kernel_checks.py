@@ -2,10 +2,18 @@
 `python tests/quant_kernel_checks.py MARCH`, by a build of the kernel for another CPU
 (`-march=MARCH`, compiled alone and loaded in this process): prints the build's paths
 (`quant_linear_isa()`) and "ok" once every type passes `check_kernel`.
+
+`python tests/quant_kernel_checks.py --digests LIB` loads the kernel library LIB (a .so that
+`tandem.kernels.cpu.build` made) and prints `output_digests` of its quant_linear as JSON: how
+tests/data/quant_linear_avx512_vnni.json, the AVX-512 VNNI path's bit-exact outputs, is made
+from a build of the kernel whose outputs are to be kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -30,8 +38,8 @@ def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the VNNI path rounds it: per 32 columns d = max|x| / 127 (float32) and
-    x ~ d * round(x * (1 / d)), to nearest even."""
+    """x rounded as the int8 paths (AVX-512 VNNI, AVX-VNNI, AVX2) round it: per 32 columns
+    d = max|x| / 127 (float32) and x ~ d * round(x * (1 / d)), to nearest even."""
     x = x.float()
     blocks = x.view(*x.shape[:-1], -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / torch.tensor(127.0)
@@ -40,8 +48,9 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def half_rows_reference(x: torch.Tensor, isa: str) -> torch.Tensor:
-    """What a build with paths `isa` multiplies for bfloat16 / float16 rows x (float64)."""
-    return (int8_rows(x) if isa.startswith("avx512_vnni") else x).double()
+    """What a build with paths `isa` multiplies for bfloat16 / float16 rows x (float64): x
+    itself on the float path, else x rounded to int8."""
+    return (x if isa.startswith("float,") else int8_rows(x)).double()
 
 
 def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
@@ -72,12 +81,67 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
         )
 
 
+def check_extreme_bytes(kernel, isa: str) -> None:
+    """The 8-bit layouts' extreme values (weights 0 and 255 against int8 activations of +-127:
+    where a dot product of unsigned by signed bytes summed in int16 pairs would saturate)
+    against the float64 reference, for bfloat16 and float16 rows."""
+    rows, cols = 4, 96
+    levels = torch.tensor(
+        [[255] * cols, [0] * cols, [255, 0] * (cols // 2), [0, 255, 255, 0] * (cols // 4)], dtype=torch.uint8
+    )
+    x = torch.stack(
+        [
+            torch.ones(cols),
+            -torch.ones(cols),
+            torch.tensor([1.0, -1.0] * (cols // 2)),
+            torch.tensor([1.0, 1.0, -1.0, -1.0] * (cols // 4)),
+        ]
+    )
+    for group in (16, 32):
+        scale = torch.full((rows, cols // group), 0.5)
+        mn = torch.full((rows, cols // group), -64.0)
+        weight = levels.double() * 0.5 - 64.0
+        for dtype in (torch.bfloat16, torch.float16):
+            got = kernel(x.to(dtype), levels, scale, mn, 8, group).double()
+            ref = half_rows_reference(x.to(dtype), isa) @ weight.T
+            torch.testing.assert_close(got, ref, atol=1e-3, rtol=2**-8)
+
+
+DIGEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def output_digests(kernel) -> dict[str, str]:
+    """Per tensor type and dtype of x, a SHA-256 (16 hex digits) of `kernel`'s outputs in order
+    over fixed blocks and rows: out features 576, 1536, 4096 by in features 576 (768 for the
+    K-quants, whose blocks are 256 wide) and 1536, each times 1, 2, 4, 8 and 16 rows of x
+    (the shapes of the default model's layers; 8 and 16 rows are two and four row blocks).
+    Equal digests: bit-identical outputs."""
+    hashes = {(name, str(dt)): hashlib.sha256() for name in TYPES for dt in DIGEST_DTYPES}
+    for name, out_features, in_cols in itertools.product(TYPES, (576, 1536, 4096), (576, 1536)):
+        k = 768 if name.endswith("_K") and in_cols == 576 else in_cols
+        packed = repack(blocks(name, out_features, k), QT[name], (out_features, k))
+        arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]
+        for rows in (1, 2, 4, 8, 16):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * 7919 + k))
+            for dt in DIGEST_DTYPES:
+                y = kernel(x.to(dt), *arrays, packed.bits, packed.group)
+                hashes[(name, str(dt))].update(y.contiguous().view(torch.uint8).numpy().tobytes())
+    return {f"{name} {dt}": h.hexdigest()[:16] for (name, dt), h in hashes.items()}
+
+
 if __name__ == "__main__":
     from tandem.kernels import cpu
+
+    if sys.argv[1] == "--digests":
+        torch.ops.load_library(sys.argv[2])
+        digests = output_digests(torch.ops.tandem_cpu.quant_linear)
+        print(json.dumps({"isa": torch.ops.tandem_cpu.quant_linear_isa(), "digests": digests}, indent=1))
+        sys.exit(0)
 
     torch.ops.load_library(str(cpu.build(sources=(cpu.CSRC / "quant_linear_cpu.cpp",), march=sys.argv[1])))
     ops = torch.ops.tandem_cpu
     for name in TYPES:
         for rows in (1, 3, 5, 17, 64):
             check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
+    check_extreme_bytes(ops.quant_linear, ops.quant_linear_isa())
     print(ops.quant_linear_isa(), "ok")

@@ -66,7 +66,12 @@ def _compile_commands(
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch.compiled_with_cxx11_abi())
-    compile_flags = [*FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()]]
+    compile_flags = [
+        *FLAGS,
+        *f"-march={march}".split(),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *[f"-I{p}" for p in include_paths()],
+    ]
     compiles = [[cxx, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
     link = [
         cxx,
@@ -104,7 +109,8 @@ def library_path(sources: tuple[Path, ...] = SOURCES, march: str = NATIVE) -> Pa
 def build(sources: tuple[Path, ...] = SOURCES, march: str = NATIVE) -> Path:
     """Compile the library unless this machine's build is cached; its path. Raises on failure.
     `sources` and `march` other than the defaults build a variant (tests of the kernels' paths
-    for other CPUs: `-march=x86-64-v3` has AVX2 and no AVX-512, `x86-64` neither)."""
+    for other CPUs: `-march=x86-64-v3` has AVX2 and no AVX-512, `x86-64` neither); flags after
+    a space in `march` are passed too (`"x86-64-v3 -mavxvnni"`)."""
     path = library_path(sources, march)
     if path.exists():
         return path

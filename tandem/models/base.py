@@ -313,17 +313,63 @@ class DecoderModel(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._stack_cache: tuple | None = None  # (the layers' fused_decode, `_fused_stack()`)
 
     def forward(self, input_ids, positions, fb, ctx):
         hidden, residual = self.embed_tokens.forward(input_ids), None
         cos_sin = self.rotary_emb.lookup(positions)
         tables = self._fused_decode_tables(hidden, cos_sin, fb, ctx)
+        stack = self._fused_stack() if tables is not None else None
+        if stack is not None:  # every layer in one C++ call: `forward_fused` of each, in order
+            op, weights, layout, eps, scale, num_heads, num_kv_heads = stack
+            pool, n = ctx.kv_pool, len(layout) // 12
+            k, v = pool.k_buffer, pool.v_buffer
+            if len(k) != n:
+                k, v = k[:n], v[:n]
+            hidden, residual = op(
+                hidden, weights, layout, eps, cos_sin, k, v, fb.out_cache_loc, *tables, scale, num_heads, num_kv_heads
+            )
+            return self.norm.forward(hidden, residual)[0]
         for layer in self.layers:
             if tables is not None and layer.fused_decode is not None:
                 hidden, residual = layer.forward_fused(cos_sin, hidden, residual, fb, ctx, tables)
             else:
                 hidden, residual = layer.forward(cos_sin, hidden, residual, fb, ctx)
         return self.norm.forward(hidden, residual)[0]
+
+    def _fused_stack(self):
+        """`tandem_cpu.decode_layers`' arguments that stay from step to step (op, weights,
+        layout, eps, scale, heads, KV heads), when every layer runs fused
+        (`DecoderLayer.prepare_fused_decode`) with the same norm eps, attention scale and
+        heads, layer i reading the pool's buffer i; else None (each layer's own call, or the
+        Python layer). Rebuilt when a layer's `fused_decode` changes."""
+        fused = tuple(layer.fused_decode for layer in self.layers)
+        cached = self._stack_cache
+        if cached is not None and len(cached[0]) == len(fused) and all(a is b for a, b in zip(cached[0], fused)):
+            return cached[1]
+        stack = self._build_stack(fused)
+        self._stack_cache = (fused, stack)
+        return stack
+
+    def _build_stack(self, fused: tuple):
+        ops = cpu_kernels.load()
+        if not fused or any(f is None for f in fused) or ops is None or not hasattr(ops, "decode_layers"):
+            return None
+
+        def params(layer):
+            attn = layer.self_attn
+            return layer.input_layernorm.eps, attn.scaling, attn.num_heads, attn.num_kv_heads
+
+        first = params(self.layers[0])
+        if any(params(layer) != first or layer.self_attn.layer_id != i for i, layer in enumerate(self.layers)):
+            return None
+        weights, layout = [], []
+        for layer, (_, linear_weights, formats) in zip(self.layers, fused):
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for w in linear_weights:
+                weights += w
+            layout += [len(w) for w in linear_weights] + list(formats)
+        return (ops.decode_layers, weights, layout, *first)
 
     @staticmethod
     def _fused_decode_tables(hidden, cos_sin, fb, ctx):

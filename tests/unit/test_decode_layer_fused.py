@@ -1,8 +1,9 @@
-"""A decode step whose layers run as one C++ call each (`tandem_cpu.decode_layer`, where every
-linear of a layer is quantized) equals the same step through the Python layer op by op: the
-same tokens and bit-identical logits, in float32 and bfloat16, for a Llama and a Qwen2 (QKV
-bias) GGUF model, batches of 1 and 3; batches above QUANT_MAX_ROWS and layers with an
-unquantized linear take the Python layer."""
+"""A decode step whose layers run as one C++ call (`tandem_cpu.decode_layers`, where every
+linear of every layer is quantized), or as one C++ call each (`tandem_cpu.decode_layer`),
+equals the same step through the Python layer op by op: the same tokens and bit-identical
+logits, in float32 and bfloat16, for a Llama and a Qwen2 (QKV bias) GGUF model, batches of 1
+and 3; batches above QUANT_MAX_ROWS and layers with an unquantized linear take the Python
+layer (a model with one such layer runs its other layers one call each)."""
 
 from __future__ import annotations
 
@@ -30,19 +31,41 @@ def gguf_files(tmp_path_factory):
     }
 
 
-def run(runner, prompts, fused: bool):
-    """Greedy steps with the fused layers on or off; also how many layer calls were fused."""
-    layers = runner.model.model.layers
+def run(runner, prompts, mode: str):
+    """Greedy steps with the layers in one call ("stack"), one call each ("layers") or the
+    Python layer ("python"); also how many stack calls and fused layer calls ran."""
+    model = runner.model.model
+    layers = model.layers
     saved = [layer.fused_decode for layer in layers]
-    calls = []
+    calls = {"stack": 0, "layers": 0}
     for layer in layers:
-        if not fused:
+        if mode == "python":
             layer.fused_decode = None
         original = layer.forward_fused
-        layer.forward_fused = lambda *a, _f=original: calls.append(1) or _f(*a)
+
+        def counted(*a, _f=original):
+            calls["layers"] += 1
+            return _f(*a)
+
+        layer.forward_fused = counted
+    stack = model._fused_stack
+
+    def counted_stack():
+        found = stack()
+        if found is None or mode != "stack":
+            return None
+
+        def op(*a):
+            calls["stack"] += 1
+            return found[0](*a)
+
+        return (op, *found[1:])
+
+    model._fused_stack = counted_stack
     try:
-        return greedy_steps(runner, prompts, STEPS), len(calls)
+        return greedy_steps(runner, prompts, STEPS), calls
     finally:
+        del model._fused_stack
         for layer, value in zip(layers, saved):
             layer.fused_decode = value
             del layer.forward_fused
@@ -54,20 +77,27 @@ def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype):
     runner = make_runner(gguf_files[arch], dtype=dtype)
     layers = runner.model.model.layers
     assert all(layer.fused_decode is not None for layer in layers)
+    assert runner.model.model._fused_stack() is not None
     for prompts in (PROMPTS[:1], PROMPTS):
-        (ids, logits), fused_calls = run(runner, prompts, fused=True)
-        (ref_ids, ref_logits), none = run(runner, prompts, fused=False)
-        assert fused_calls == STEPS * len(layers) and none == 0
-        assert ids == ref_ids
-        for got, ref in zip(logits, ref_logits):
-            assert torch.equal(got, ref)
+        (ids, logits), stack_calls = run(runner, prompts, "stack")
+        (layer_ids, layer_logits), layer_calls = run(runner, prompts, "layers")
+        (ref_ids, ref_logits), none = run(runner, prompts, "python")
+        assert stack_calls == {"stack": STEPS, "layers": 0}
+        assert layer_calls == {"stack": 0, "layers": STEPS * len(layers)}
+        assert none == {"stack": 0, "layers": 0}
+        assert ids == layer_ids == ref_ids
+        for got, by_layer, ref in zip(logits, layer_logits, ref_logits):
+            assert torch.equal(got, ref) and torch.equal(by_layer, ref)
 
 
 def test_large_batches_and_unquantized_layers_take_the_python_layer(gguf_files):
     runner = make_runner(gguf_files["llama"], dtype="float32")
     layers = runner.model.model.layers
-    _, fused_calls = run(runner, [[1, 2, 3]] * (QUANT_MAX_ROWS + 1), fused=True)
-    assert fused_calls == 0
+    _, calls = run(runner, [[1, 2, 3]] * (QUANT_MAX_ROWS + 1), "stack")
+    assert calls == {"stack": 0, "layers": 0}
     layers[0].mlp.down_proj.quant_kernel = None
     layers[0].prepare_fused_decode()
     assert layers[0].fused_decode is None and layers[1].fused_decode is not None
+    assert runner.model.model._fused_stack() is None  # rebuilt: layer 0 runs in Python
+    _, calls = run(runner, [[1, 2, 3]], "stack")
+    assert calls == {"stack": 0, "layers": STEPS * (len(layers) - 1)}

@@ -5,9 +5,16 @@ blocks for it (`tandem.layers.quantization.gguf_linear`):
   shapes and row counts 1, 2, 3, 17, 64, 300: within 2e-6 of the largest output in float32,
   and, for bfloat16 inputs, within one bfloat16 rounding of the float32 result, where the
   reference's x is first rounded per 32 columns to int8 as llama.cpp does when the build
-  takes the VNNI path (`quant_linear_isa()`);
-- the same checks on the builds for other CPUs (AVX2 without AVX-512; plain x86-64), each
-  compiled here in a subprocess, so the fallback paths run on every machine;
+  takes an int8 path (`quant_linear_isa()`: AVX-512 VNNI, AVX-VNNI or AVX2), and the 8-bit
+  layouts' extreme bytes (where AVX2's int16 pair sums could saturate);
+- the same checks on the builds for other CPUs (AVX2 without AVX-512, whose bfloat16 rows take
+  the AVX2 int8 path; plain x86-64, the float path), each compiled here in a subprocess, so
+  those paths run on every x86 machine; the AVX-VNNI build (x86-64-v3 with -mavxvnni) is
+  compiled wherever the compiler knows the flag and checked where the CPU has it;
+- on an AVX-512 VNNI build, outputs bit-identical to the kernel the quantized model's accuracy
+  bounds were measured on (tests/data/quant_linear_avx512_vnni.json: fp32, bf16 and fp16 rows,
+  every type, the default model's shapes), so that another path's code cannot move that one's
+  float summation order (it did once: the bf16 GGUF model's greedy answers moved);
 - a fused layer whose parts have different types (a Q4_K_M file's Q4_K and Q6_K rows) and a
   tensor-parallel column shard run quantized and equal the dense layer;
 - the layer uses the quantized weights for few rows and the dense kernel for many, and
@@ -16,7 +23,10 @@ blocks for it (`tandem.layers.quantization.gguf_linear`):
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +35,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from quant_kernel_checks import TYPES, blocks, check_kernel
+from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel, output_digests
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -55,12 +65,24 @@ def test_kernel_equals_dequantize_then_matmul(name, rows):
     check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
 
 
-@pytest.mark.slow  # compiles the kernel twice more (-march variants)
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
-@pytest.mark.parametrize("march,isa", [("x86-64-v3", "float,avx2"), ("x86-64", "float,portable")])
-def test_kernel_builds_for_other_cpus(march, isa):
-    """The kernel compiled for a CPU without AVX-512 (AVX2) and for plain x86-64, loaded in a
-    subprocess (its ops have the same names), passes the same checks on every type."""
+def test_extreme_bytes():
+    check_extreme_bytes(ops.quant_linear, ops.quant_linear_isa())
+
+
+@pytest.mark.slow  # ~10 s: 900 products of up to 4096 x 1536
+def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel():
+    isa = ops.quant_linear_isa()
+    if not isa.startswith("avx512_vnni"):
+        pytest.skip(f"this build's path is {isa}: the digests are the AVX-512 VNNI path's")
+    expected = json.loads((Path(__file__).parents[1] / "data" / "quant_linear_avx512_vnni.json").read_text())
+    got = output_digests(ops.quant_linear)
+    changed = sorted(case for case, digest in expected["digests"].items() if got.get(case) != digest)
+    assert not changed, f"outputs changed for {changed} (made from: {expected['made_from']})"
+
+
+def check_variant(march: str, isa: str) -> None:
+    """The kernel built with `-march=MARCH`, loaded in a subprocess (its ops have the same
+    names), has paths `isa` and passes the same checks on every type."""
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parents[1] / "quant_kernel_checks.py"), march],
         capture_output=True,
@@ -69,6 +91,49 @@ def test_kernel_builds_for_other_cpus(march, isa):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [isa, "ok"]
+
+
+x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
+
+
+@pytest.mark.slow  # compiles the kernel twice more (-march variants)
+@x86_only
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2_maddubs,avx2"), ("x86-64", "float,portable")])
+def test_kernel_builds_for_other_cpus(march, isa):
+    """A CPU without AVX-512 (AVX2: the int8 path by VPMADDUBSW) and plain x86-64 (the float path)."""
+    check_variant(march, isa)
+
+
+def compiler_accepts(flag: str) -> bool:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    return (
+        cxx is not None
+        and subprocess.run([cxx, flag, "-x", "c++", "-E", "-"], input="", capture_output=True, text=True).returncode
+        == 0
+    )
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.slow  # compiles the kernel once more
+@x86_only
+def test_kernel_builds_for_avx_vnni():
+    """AVX2 with AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5: the int8 path by VEX VPDPBUSD):
+    compiled on every machine whose compiler knows -mavxvnni, checked where the CPU has it."""
+    if not compiler_accepts("-mavxvnni"):
+        pytest.skip("the C++ compiler does not know -mavxvnni")
+    march = "x86-64-v3 -mavxvnni"
+    cpu_kernels.build((cpu_kernels.CSRC / "quant_linear_cpu.cpp",), march)
+    if "avx_vnni" not in cpu_flags():
+        pytest.skip(
+            "this CPU lacks AVX-VNNI (no avx_vnni in /proc/cpuinfo): the variant compiles, its checks need the CPU"
+        )
+    check_variant(march, "avx_vnni,avx2")
 
 
 def test_kernel_refuses_bad_layouts():

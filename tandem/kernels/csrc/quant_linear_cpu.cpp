@@ -7,14 +7,19 @@
 //   bits 4 (group 32): q packed two to a byte, ggml's Q4 order: byte 16g + j of a row holds
 //                      column 32g + j in its low nibble and column 32g + 16 + j in its high;
 //   bits 8 (group 16 or 32): one uint8 q per column.
-// Two paths, chosen when the library is built for the machine (-march=native):
-// - float32 rows (and every row where the CPU lacks AVX-512 VNNI) are multiplied in float32:
+// The paths, chosen when the library is built for the machine it runs on (-march=native; the
+// cached build's name hashes the CPU's flags, so another CPU gets its own build):
+// - float32 rows (and every row where the CPU lacks AVX2) are multiplied in float32:
 //   y[r, n] = sum_g (sum_k (scale * q) * x[r, k]) + sum_g mn * (sum_k x[r, k]), the products
 //   scale * q rounded as a dequantized weight is, so a result differs from
 //   dequantize-then-matmul only by the summation order (widening by AVX-512F, AVX2 or plain
 //   loops);
 // - bfloat16 / float16 rows with AVX-512 VNNI: x quantized per 32 columns to int8 and integer
-//   dot products (llama.cpp's recipe; the VNNI section below says what it computes).
+//   dot products (llama.cpp's recipe; the VNNI section below says what it computes);
+// - bfloat16 / float16 rows with AVX2 but not AVX-512 VNNI: the same int8 recipe, the same
+//   integer sums, by AVX-VNNI's VPDPBUSD or AVX2's VPMADDUBSW (the AVX2 section below; code
+//   of its own, so that the AVX-512 VNNI path's results stay bit-identical:
+//   tests/data/quant_linear_avx512_vnni.json).
 // Output rows (N) are split over PyTorch's OpenMP threads; a step reads each weight byte once
 // for up to four rows of x at a time. `quant_linear_isa()` names the paths of this build.
 
@@ -313,9 +318,236 @@ void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale,
   }
 }
 #define TANDEM_QUANT_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ----------------------------------------------------------------------------------------------
+// bfloat16 / float16 rows on AVX2 without AVX-512 VNNI (x86-64-v3 CPUs; also AVX-512 without
+// VNNI): int8 activations as above, rounded the same way (the same qx and d), and integer dot
+// products on 32-byte chunks of a weight row (64 columns of the 4-bit layout, 32 of the 8-bit
+// ones) that give each int32 lane (4 bytes) the same exact sum VPDPBUSD gives:
+// - AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5; the build has __AVXVNNI__): VPDPBUSD's VEX form;
+// - otherwise VPMADDUBSW (unsigned bytes times signed bytes, adjacent products summed to int16
+//   with saturation), then VPMADDWD by ones (adjacent int16 summed to int32). 4-bit weights
+//   (<= 15) cannot saturate, even with the low and high nibbles' pairs added in int16
+//   (2 * 2 * 15 * 127 = 7620); 8-bit weights (<= 255) could (2 * 255 * 127 > 32767), so they
+//   enter as w - 128 by llama.cpp's sign trick: |w - 128| (<= 128, as unsigned) times qx
+//   carrying w - 128's sign (pairs <= 2 * 128 * 127 = 32512), and the lane's 128 * sum(qx)
+//   added back (Avx2X::lane_sum).
+// This section is separate code from the AVX-512 VNNI one (a build has one or the other), so
+// that path's float summation order, and so its results, stay as they are.
+
+constexpr int64_t kAvx2Chunk = 32;  // weight bytes per step
+
+// x quantized for the bytes of a weight row: per row r of x (`stride` bytes apart: a weight row's
+// bytes rounded up to 32), byte b of `lo` meets byte b of a weight row (its low nibbles in the
+// 4-bit layout), byte b of `hi` (4-bit only) its high nibbles; `d` one float per int32 lane
+// (4 bytes): that lane's x scale (zero past K); `lane_sum` (8-bit rows without AVX-VNNI)
+// 128 * the lane's sum of qx; gsum[r][g] = d * sum(qx) over weight group g.
+struct Avx2X {
+  int64_t stride = 0, G = 0;
+  std::vector<int8_t> lo, hi;
+  std::vector<float> d, gsum;
+  std::vector<int32_t> lane_sum;
+};
+
+#ifdef __AVXVNNI__
+constexpr bool kAvx2LaneSums = false;
+#else
+constexpr bool kAvx2LaneSums = true;
 #endif
 
-// bfloat16 / float16 rows through the VNNI path where the CPU has it; otherwise (and for float32
+// 32 floats (four vectors of 8) rounded to int8 at out, as the AVX-512 VNNI path rounds them
+// (d = max|x| / 127, round(x * (1 / d)) to nearest even, saturated); returns d.
+inline float avx2_quantize_block(const __m256 v[4], int8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  __m256i q[4];
+  for (int p = 0; p < 4; ++p) q[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], _mm256_set1_ps(id)));
+  // The saturating packs work within 128-bit halves; the permutation puts the 32 bytes in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return d;
+}
+
+template <typename T>
+Avx2X avx2_quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t bits, int64_t group) {
+  Avx2X X;
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+  X.stride = (row_bytes + kAvx2Chunk - 1) / kAvx2Chunk * kAvx2Chunk;
+  X.G = K / group;
+  const int64_t cols_pad = X.stride * (bits == 4 ? 2 : 1), lanes = X.stride / 4;
+  const bool lane_sums = kAvx2LaneSums && bits == 8;
+  X.lo.assign(R * X.stride, 0);
+  if (bits == 4) X.hi.assign(R * X.stride, 0);
+  X.d.assign(R * lanes, 0.f);
+  if (lane_sums) X.lane_sum.assign(R * lanes, 0);
+  X.gsum.assign(R * X.G, 0.f);
+  std::vector<int8_t> qx(cols_pad);
+  std::vector<float> dblock(cols_pad / 32);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* row = x + r * stride;
+    std::fill(qx.begin(), qx.end(), 0);
+    std::fill(dblock.begin(), dblock.end(), 0.f);
+    for (int64_t b = 0; 32 * b < K; ++b) {
+      const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
+      __m256 v[4];
+      for (int p = 0; p < 2; ++p) {
+        const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
+        std::memcpy(&v[2 * p], &f, sizeof(f));
+      }
+      dblock[b] = avx2_quantize_block(v, qx.data() + 32 * b);
+    }
+    for (int64_t g = 0; g < X.G; ++g) {
+      int sum = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+      X.gsum[r * X.G + g] = dblock[g * group / 32] * static_cast<float>(sum);
+    }
+    int8_t* lo = X.lo.data() + r * X.stride;
+    float* d = X.d.data() + r * lanes;
+    if (bits == 4) {  // group g: bytes 16g .. 16g + 15 (lanes 4g .. 4g + 3), columns 32g + j and 32g + 16 + j
+      int8_t* hi = X.hi.data() + r * X.stride;
+      for (int64_t g = 0; g < X.stride / 16; ++g) {
+        std::memcpy(lo + 16 * g, qx.data() + 32 * g, 16);
+        std::memcpy(hi + 16 * g, qx.data() + 32 * g + 16, 16);
+        for (int l = 0; l < 4; ++l) d[4 * g + l] = dblock[g];
+      }
+    } else {  // byte k is column k: lane l holds columns 4l .. 4l + 3, of x block l / 8
+      std::memcpy(lo, qx.data(), X.stride);
+      for (int64_t l = 0; l < lanes; ++l) d[l] = dblock[l / 8];
+    }
+    if (lane_sums) {
+      int32_t* ls = X.lane_sum.data() + r * lanes;
+      for (int64_t l = 0; l < lanes; ++l) ls[l] = 128 * (lo[4 * l] + lo[4 * l + 1] + lo[4 * l + 2] + lo[4 * l + 3]);
+    }
+  }
+  return X;
+}
+
+inline __m256i avx2_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The int32 lane sums of a chunk's operands (a, b: from avx2_operands) against x's bytes at lo,
+// hi (4-bit) and its lane sums at ls (8-bit by VPMADDUBSW).
+template <int BITS>
+inline __m256i avx2_dot(__m256i a, __m256i b, const int8_t* lo, const int8_t* hi, const int32_t* ls) {
+#ifdef __AVXVNNI__
+  __m256i s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, avx2_load(lo));
+  if constexpr (BITS == 4) s = _mm256_dpbusd_avx_epi32(s, b, avx2_load(hi));
+  return s;
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(a, avx2_load(lo)), _mm256_maddubs_epi16(b, avx2_load(hi)));
+    return _mm256_madd_epi16(pairs, ones);
+  } else {
+    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_sign_epi8(avx2_load(lo), a));
+    return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), avx2_load(ls));
+  }
+#endif
+}
+
+// What the dot product takes from a chunk w: 4-bit, its low and high nibbles; 8-bit, the bytes
+// (AVX-VNNI) or w - 128 (signed) and its magnitude (VPMADDUBSW).
+template <int BITS>
+inline void avx2_operands(__m256i w, __m256i& a, __m256i& b) {
+  if constexpr (BITS == 4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    a = _mm256_and_si256(w, low4);
+    b = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+  } else if constexpr (kAvx2LaneSums) {
+    a = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    b = _mm256_abs_epi8(a);
+  } else {
+    a = b = w;
+  }
+}
+
+inline float avx2_sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline __m256 avx2_load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 avx2_load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// sum_g mn[g] * gsum[g]
+template <typename S>
+inline float avx2_offsets(const S* mn, const float* gsum, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(avx2_load8(mn + g), _mm256_loadu_ps(gsum + g), acc);
+  float sum = avx2_sum8(acc);
+  for (; g < G; ++g) sum += to_float(mn[g]) * gsum[g];
+  return sum;
+}
+
+// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n].
+template <int BITS, int GROUP, int NR, typename T, typename S>
+void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
+                T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // Groups per chunk: 2 (4-bit; 8-bit group 16: 4 lanes each) or 1 (8-bit group 32: 8 lanes).
+  constexpr int kGroupsPerChunk = BITS == 4 ? 2 : kAvx2Chunk / GROUP;
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K, G = X.G, lanes = X.stride / 4;
+  const int64_t chunks = (row_bytes + kAvx2Chunk - 1) / kAvx2Chunk;
+  const bool half_tail = row_bytes % kAvx2Chunk != 0;  // rows are whole 16-byte groups: 16 bytes left
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * row_bytes;
+    const S* sn = scale + n * G;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i) {
+      const bool partial = half_tail && i == chunks - 1;
+      const __m256i w = partial ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + kAvx2Chunk * i)))
+                                : avx2_load(qn + kAvx2Chunk * i);
+      __m256i a, b;
+      avx2_operands<BITS>(w, a, b);
+      __m256 ws;
+      if constexpr (kGroupsPerChunk == 1) {
+        ws = _mm256_set1_ps(to_float(sn[i]));
+      } else {
+        const float s0 = to_float(sn[2 * i]), s1 = partial ? 0.f : to_float(sn[2 * i + 1]);
+        ws = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const int64_t row = r0 + r, at = row * X.stride + kAvx2Chunk * i, lane = row * lanes + 8 * i;
+        const __m256i s = avx2_dot<BITS>(a, b, X.lo.data() + at, BITS == 4 ? X.hi.data() + at : nullptr,
+                                         kAvx2LaneSums && BITS == 8 ? X.lane_sum.data() + lane : nullptr);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, _mm256_loadu_ps(X.d.data() + lane)), acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float off = avx2_offsets(mn + n * G, X.gsum.data() + (r0 + r) * G, G);
+      y[(r0 + r) * N + n] = static_cast<T>(avx2_sum8(acc[r]) + off + (bias ? bias[n] : 0.f));
+    }
+  }
+}
+
+template <int BITS, int GROUP, typename T, typename S>
+void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
+               T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+    switch (std::min<int64_t>(kRowBlock, R - r0)) {
+      case 1: avx2_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      case 2: avx2_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      case 3: avx2_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+      default: avx2_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+    }
+  }
+}
+#ifdef __AVXVNNI__
+#define TANDEM_QUANT_AVX2 "avx_vnni"
+#else
+#define TANDEM_QUANT_AVX2 "avx2_maddubs"
+#endif
+#endif
+
+// bfloat16 / float16 rows through an int8 path where the CPU has one; otherwise (and for float32
 // rows, whose results equal dequantize-then-matmul) x's rows in float32 and each group's sum;
 // then every output row, split over threads.
 template <typename T, typename S>
@@ -339,6 +571,20 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
         vnni_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       } else {
         vnni_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      }
+    });
+    return;
+  }
+#elif defined(TANDEM_QUANT_AVX2)
+  if constexpr (!std::is_same_v<T, float>) {
+    const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      if (bits == 4) {
+        avx2_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      } else if (group == 32) {
+        avx2_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      } else {
+        avx2_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       }
     });
     return;
@@ -417,11 +663,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
-// The path this build takes for bfloat16 / float16 rows ("avx512_vnni": int8 activations) and,
-// after a comma, the widening of the float path (float32 rows, and the others without VNNI).
+// The path this build takes for bfloat16 / float16 rows (int8 activations multiplied by
+// "avx512_vnni", "avx_vnni" or "avx2_maddubs"; "float" without AVX2) and, after a comma, the
+// widening of the float path (float32 rows, and every row without AVX2).
 std::string quant_linear_isa() {
 #ifdef TANDEM_QUANT_VNNI
   std::string half = "avx512_vnni";
+#elif defined(TANDEM_QUANT_AVX2)
+  std::string half = TANDEM_QUANT_AVX2;
 #else
   std::string half = "float";
 #endif
