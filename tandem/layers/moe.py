@@ -14,9 +14,10 @@ expert), the outputs weighted and scatter-added back to their tokens (`index_add
 store one tensor per expert and projection (`experts.N.gate_proj` / `w1`, ...); the
 weight loader takes those (shard id `(N, "gate"|"up"|"down")`), the stacked 3-D tensor
 (shard id None), or one projection of every expert stacked [E, out, in] as GGUF files
-hold them (`(None, "gate"|"up"|"down")`; a quantized file's blocks are kept per expert). Under tensor parallelism each rank holds a slice of every expert's
-intermediate dimension (gate/up rows, down columns): the layer returns partial sums and
-its caller all-reduces once (`reduce=True` does it here).
+hold them (`(None, "gate"|"up"|"down")`; a quantized file's blocks are kept per expert).
+Under tensor parallelism each rank holds a slice of every expert's intermediate dimension
+(gate/up rows, down columns): the layer returns partial sums and its caller all-reduces once
+(`reduce=True` does it here).
 
 After loading, `process_weights_after_loading(backend, quantization)` gives each expert's two
 matmuls the dense linears' kernel (`make_linear_kernel`: oneDNN's packed layout on CPU with
