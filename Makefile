@@ -82,7 +82,7 @@ browser:
 
 # Side-by-side comparison with vLLM, SGLang (installed outside this repository, found through compare.py's
 # --peers-dir and --peers-serve; missing ones are skipped) and HF transformers, each model in float32 and bfloat16, workloads a-e (16 and 64 concurrent, single
-# stream, Poisson rate, shared prefix); a full run rewrites docs/benchmarks.md (all but its GGUF section) and
+# stream, Poisson rate, shared prefix); a full run rewrites docs/benchmarks.md (all but its generated sections: GGUF, MoE, LoRA, speculative) and
 # docs/benchmarks.png.
 # Takes about two hours on 2 cores. BENCH_ARGS="--quick --models 7m" for a smoke run,
 # BENCH_ARGS="--dtypes bfloat16 --workloads a,e" for a subset.

@@ -13,7 +13,8 @@ runs in this process: `generate` on left-padded batches of the same prompts (gre
 slice, with step times taken from a streamer. It writes the raw rows (--results-jsonl),
 a markdown report with the tables (--out) and a plot next to it (.png). A full run (not
 --quick, at least 3 repeats) also rewrites docs/benchmarks.md (--doc) and its plot: the
-whole page but its GGUF section, which it keeps.
+whole page but its generated sections (GGUF, moe_decode.py, lora.py, speculative.py), which
+it keeps.
 
 Workloads (token-id prompts, `ignore_eos`, so every engine does the same work):
   a  16 concurrent requests: random prompts of 64-128 tokens (bench_serving's random
@@ -54,7 +55,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -73,6 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tandem import bench_serving  # noqa: E402
+from tandem.benchmarks import report  # noqa: E402
 from tandem.benchmarks.datasets import (  # noqa: E402
     BenchRequest,
     TokenSpace,
@@ -81,6 +82,7 @@ from tandem.benchmarks.datasets import (  # noqa: E402
     load_token_space,
 )
 from tandem.benchmarks.metrics import RequestResult, compute_metrics  # noqa: E402
+from tandem.benchmarks.report import git_rev, machine_info  # noqa: E402
 from tandem.utils.process import free_port, pid_alive  # noqa: E402
 
 ENGINES = ("tandem", "vllm", "sglang", "hf")
@@ -377,7 +379,7 @@ def engine_available(engine: str, args: argparse.Namespace) -> str | None:
 
 def engine_version(engine: str, args: argparse.Namespace) -> str:
     if engine in ("tandem", NORADIX, DEQUANT):
-        return "this checkout (" + _git_rev() + ")"
+        return "this checkout (" + git_rev(REPO) + ")"
     if engine in (LLAMACPP, LLAMA_BENCH):
         return llamacpp_version(args)
     if engine == "hf":
@@ -399,23 +401,6 @@ def engine_version(engine: str, args: argparse.Namespace) -> str:
             [str(args.peers_dir / venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60
         )
         return res.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def _git_rev() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
@@ -963,60 +948,8 @@ def render_plot(agg: dict, models: list[str], workloads: dict[str, Workload], pa
     return True
 
 
-def machine_info() -> list[str]:
-    lines = []
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-        model = info.get("Model name", "?").strip()
-        hyper = info.get("Hypervisor vendor", "").strip()
-        lines.append(
-            f"CPU: {model}, {os.cpu_count()} cores (`nproc`), "
-            f"{info.get('Thread(s) per core', '?').strip()} thread(s) per core"
-            + (f", virtualized ({hyper})" if hyper else "")
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        lines.append(f"CPU: {os.cpu_count()} cores")
-    features = cpu_features()
-    if features:
-        lines.append(features)
-    lines.append(
-        f"RAM: {psutil.virtual_memory().total / 2**30:.0f} GiB; no GPU; {platform.system()} "
-        f"{platform.release()}; Python {platform.python_version()}"
-    )
-    return lines
-
-
-CPU_FEATURES = (
-    ("AVX2", "avx2"),
-    ("AVX-512F", "avx512f"),
-    ("AVX-512 VNNI", "avx512_vnni"),
-    ("AVX-512 BF16", "avx512_bf16"),
-    ("AVX-VNNI", "avx_vnni"),
-    ("AMX", "amx_tile"),
-)
-
-
-def cpu_features() -> str:
-    """The SIMD extensions the kernels choose from, as /proc/cpuinfo lists them ("" elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return ""
-    flags = set(line.partition(":")[2].split())
-    if not flags:
-        return ""
-    amx = [f for f in ("amx_tile", "amx_int8", "amx_bf16", "amx_fp16") if f in flags]
-    return (
-        "SIMD (/proc/cpuinfo flags): "
-        + ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in CPU_FEATURES)
-        + (f" ({', '.join(amx)})" if amx else "")
-    )
-
-
 def command_line(argv: list[str]) -> str:
-    return ".venv/bin/python benchmarks/compare.py " + " ".join(argv)
+    return report.command_line("benchmarks/compare.py", argv)
 
 
 def render_markdown(
@@ -1141,23 +1074,21 @@ def render_markdown(
 
 # The first paragraph of docs/benchmarks.md (main mode writes it; a GGUF run keeps it).
 PAGE_INTRO = (
-    "Everything on this page is written by `benchmarks/compare.py`, each part from one run that names its "
-    "date, machine and commit: the side-by-side run with vLLM, SGLang and HF transformers "
-    '(`make bench-compare`) and the GGUF section (`make bench-compare BENCH_ARGS="--gguf"`, which '
-    "rewrites that section alone). Rerun them rather than editing the page. Readings of runs, partial "
+    "Everything on this page is generated, each part from one run that names its date, machine and "
+    "commit: by `benchmarks/compare.py` the side-by-side run with vLLM, SGLang and HF transformers "
+    '(`make bench-compare`) and the GGUF section (`make bench-compare BENCH_ARGS="--gguf"`); by '
+    "`benchmarks/moe_decode.py`, `benchmarks/lora.py` and `benchmarks/speculative.py` (each with "
+    "`--doc docs/benchmarks.md`) the sections of MoE decoding (#25), multi-LoRA serving (#27) and "
+    "speculative decoding (#28). Each run rewrites its own section alone; a full compare.py run rewrites "
+    "the page and keeps the others. Rerun them rather than editing the page. Readings of runs, partial "
     "runs and the measurements behind the code's choices are in [perf-log/](perf-log/README.md)."
 )
 
 
 def write_main_doc(doc: Path, page: str) -> str:
-    """Write the main run's `page` to `doc`, keeping the GGUF section `doc` holds (after the page);
-    return what it did."""
-    old = doc.read_text() if doc.exists() else ""
-    begin, end = old.find(GGUF_DOC_BEGIN), old.find(GGUF_DOC_END)
-    kept = old[begin : end + len(GGUF_DOC_END)] if begin >= 0 and end > begin else ""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(page.rstrip("\n") + "\n" + (f"\n{kept}\n" if kept else ""))
-    return "rewritten, its GGUF section kept" if kept else "rewritten"
+    """Write the main run's `page` to `doc`, keeping every generated section `doc` holds (the
+    GGUF one, those of moe_decode.py, lora.py, speculative.py; after the page); return what it did."""
+    return report.rewrite_page(doc, page)
 
 
 def print_console(rows: list[dict[str, Any]], plan: Plan) -> None:
@@ -1196,8 +1127,8 @@ DEFAULT_GGUF_SOURCE = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_GOAL_FORMATS = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M")  # the files issue #23's targets name
 GGUF_BENCH_LEN = 128  # llama-bench -p / -n
 LLAMA_SERVER_SLOTS, LLAMA_SERVER_CTX = 64, 65536  # -np / -c: 1024 tokens per slot
-GGUF_DOC_BEGIN = "<!-- BEGIN benchmarks/compare.py --gguf: generated, rerun it rather than editing this section -->"
-GGUF_DOC_END = "<!-- END benchmarks/compare.py --gguf -->"
+GGUF_SCRIPT = "benchmarks/compare.py --gguf"
+GGUF_DOC_BEGIN, GGUF_DOC_END = report.section_markers(GGUF_SCRIPT)
 
 
 def _gguf_int(reader: Any, key: str) -> int | None:
@@ -1513,7 +1444,7 @@ def render_gguf(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan
     smoke = args.quick or plan.repeats < 3
     rev = next(
         (r["version"] for r in rows if r.get("engine") == "tandem" and r.get("version")),
-        "this checkout (" + _git_rev() + ")",
+        "this checkout (" + git_rev(REPO) + ")",
     )
     rev = rev[rev.find("(") + 1 : rev.rfind(")")] if "(" in rev else rev
     out = [GGUF_DOC_BEGIN, "## GGUF side by side: Tandem and llama.cpp on the same files (#23)", ""]
@@ -1755,21 +1686,7 @@ def _ratio(a: float | None, b: float | None, bold: bool = True) -> str:
 def splice_doc(doc: Path, section: str) -> str:
     """Replace the generated GGUF section of `doc` (or insert it before the first '## GGUF'
     heading, else at the end); return where it went."""
-    text = doc.read_text() if doc.exists() else ""
-    begin, end = text.find(GGUF_DOC_BEGIN), text.find(GGUF_DOC_END)
-    if begin >= 0 and end > begin:
-        text = text[:begin] + section.rstrip("\n") + text[end + len(GGUF_DOC_END) :]
-        where = "replaced its section"
-    else:
-        at = text.find("\n## GGUF")
-        if at >= 0:
-            text = text[: at + 1] + section + "\n" + text[at + 1 :]
-            where = "inserted before its '## GGUF' section"
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-            where = "appended"
-    doc.write_text(text)
-    return where
+    return report.splice_section(doc, GGUF_SCRIPT, section, before="## GGUF")
 
 
 def print_gguf_console(rows: list[dict[str, Any]], plan: Plan) -> None:

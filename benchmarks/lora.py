@@ -10,7 +10,8 @@ configuration; each run is one batch of `--concurrency` prompts (distinct, 32 to
 greedy, EOS ignored), request i using adapter i mod k. Throughput: output tokens over the
 batch's wall time, the median of `--repeats` runs after a warm-up. Each row also prints the
 machine's 1-minute load average when it ended (a shared machine: a load above the core
-count means other processes took CPU time from the run).
+count means other processes took CPU time from the run). `--doc docs/benchmarks.md` writes
+the run's section of that page (command, machine, commit, load, the table, a reading).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tandem.benchmarks import report
 from tandem.entrypoints.engine import Engine
 from tandem.lora.pool import MODULE_LAYERS, whole_shapes
 from tandem.model_executor.model_loader import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = "benchmarks/lora.py"
 
 
 def write_random_adapter(config, path: Path, rank: int, seed: int) -> str:
@@ -61,6 +67,52 @@ def throughput(engine: Engine, prompts: list[list[int]], names: list[str | None]
     return statistics.median(rates)
 
 
+def render_doc(rows: list[tuple[str, float, float]], args, command: str, started: float, load0: float) -> str:
+    """The run's section of docs/benchmarks.md: the table against the base model and a reading."""
+    n, base = args.concurrency, rows[0][1]
+    body = [
+        f"Model `{args.model}` (default flags: bfloat16 on this CPU), random rank-{args.rank} adapters on all "
+        f"seven projections; {n} concurrent requests in one batch of the offline Engine, 32-token prompts, "
+        f"{args.max_new_tokens} greedy output tokens (EOS ignored), request i on adapter i mod k; output tok/s "
+        f"is the median of {args.repeats} runs after a warm-up, with the 1-minute load average as each row ended.",
+        "",
+        f"| {n} concurrent requests | output tok/s | vs base | load average |",
+        "|---|---:|---:|---:|",
+    ]
+    body += [f"| {label} | {rate:.1f} | **{rate / base:.2f}x** | {load:.1f} |" for label, rate, load in rows]
+    by = {label: rate for label, rate, _ in rows}
+
+    def and_list(items: list[str]) -> str:
+        return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+    adapters = [(label, rate) for label, rate, _ in rows if label[0].isdigit()]
+    reading = (
+        f"With the {n} requests over "
+        + and_list([label for label, _ in adapters])
+        + " the throughput is "
+        + and_list([f"{rate / base:.2f}x" for _, rate in adapters])
+        + " of the base model's."
+    )
+    enabled = by.get("base, --enable-lora")
+    if enabled:
+        noise = abs(enabled / base - 1) > 0.05
+        reading += (
+            " `--enable-lora` with no request naming an adapter runs the base forward (no LoRA branch), "
+            f"so its {enabled / base:.2f}x is this run's noise"
+            + (", and differences of that size between the other rows are noise too." if noise else ".")
+        )
+    body += ["", reading]
+    return report.render_section(
+        SCRIPT,
+        f"Multi-LoRA serving: {n} concurrent requests over 1, 4 and 8 adapters against the base model (#27)",
+        command,
+        started,
+        (load0, os.getloadavg()[0]),
+        body,
+        report.git_rev(REPO, ignore=(Path(args.doc),)),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -68,7 +120,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--doc", default=None, help="write this run's section of this markdown page")
     args = parser.parse_args()
+    started, load0 = time.time(), os.getloadavg()[0]
+    command = report.command_line(SCRIPT, sys.argv[1:])
     config = load_config(args.model)
     n = args.concurrency
     prompts = [[1 + (i * 37 + j * 11) % 2000 for j in range(32)] for i in range(n)]
@@ -88,6 +143,9 @@ def main() -> None:
     print(f"\n| {n} concurrent requests | output tok/s | vs base | load average |\n|---|---:|---:|---:|")
     for label, rate, load in rows:
         print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {load:.1f} |")
+    if args.doc:
+        section = render_doc(rows, args, command, started, load0)
+        print(f"[lora] {args.doc}: {report.splice_section(Path(args.doc), SCRIPT, section)}", flush=True)
 
 
 if __name__ == "__main__":

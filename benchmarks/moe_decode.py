@@ -12,6 +12,8 @@ seeded random weights (`--load-format dummy`, config only). Each batch prefills
 excluded); it prints the median step and the fastest. transformers: the same MoE config
 with its own random init, one `forward` of one new token per request over a
 `DynamicCache` filled by a prefill of the same length (the eager attention).
+`--doc docs/benchmarks.md` writes the run's section of that page (command, machine, commit,
+load average, the table with MoE / dense and Tandem / transformers ratios, a reading).
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from tandem.benchmarks import report
 from tandem.forward_batch import ForwardBatch, ForwardMode
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = "benchmarks/moe_decode.py"
+MOE, DENSE, HF = "Tandem moe (mixtral)", "Tandem dense (llama)", "transformers moe (mixtral)"
 
 
 def _configs(args):
@@ -116,6 +125,66 @@ def time_transformers(config, dtype: torch.dtype, batch: int, input_len: int, st
     return times
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"**{a / b:.2f}x**" if a and b else "-"
+
+
+def render_doc(results: dict[tuple[str, int], list[float]], args, command: str, started: float, load0: float) -> str:
+    """The run's section of docs/benchmarks.md: a table per batch size with the ratios, a reading."""
+    med = {k: statistics.median(v) * 1e3 for k, v in results.items()}
+    fast = {k: min(v) * 1e3 for k, v in results.items()}
+
+    def cell(name: str, batch: int) -> str:
+        return f"{med[name, batch]:.2f} ({fast[name, batch]:.2f})" if (name, batch) in med else "-"
+
+    body = [
+        f"{args.dtype}, {args.threads} thread(s), seeded random weights. MoE: a Mixtral of hidden {args.hidden}, "
+        f"{args.layers} layers, {args.heads} heads ({args.heads // 2} KV), {args.experts} experts of intermediate "
+        f"{args.expert_inter}, top-2. Dense: a Llama of the same shapes with intermediate {2 * args.expert_inter}, "
+        "so a token multiplies as many MLP weights (the same active parameters). Each batch prefills "
+        f"{args.input_len}-token prompts, then times {args.steps} decode forwards (the model runner's, sampling "
+        "excluded); transformers: the same Mixtral config, eager attention, one `forward` of one token per "
+        "request over a `DynamicCache`. Median step in ms, the fastest in parentheses.",
+        "",
+        "| batch | Tandem MoE | Tandem dense | MoE / dense | transformers MoE | Tandem / transformers (MoE) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    moe_dense, vs_hf = [], []
+    for b in args.batch_sizes:
+        m, d, h = med.get((MOE, b)), med.get((DENSE, b)), med.get((HF, b))
+        body.append(f"| {b} | {cell(MOE, b)} | {cell(DENSE, b)} | {_ratio(m, d)} | {cell(HF, b)} | {_ratio(m, h)} |")
+        where = f"batch {b}" if not moe_dense else str(b)
+        if m and d:
+            moe_dense.append(f"{m / d:.2f}x ({where})")
+        if m and h:
+            vs_hf.append(f"{m / h:.2f}x ({where})")
+    reading = (
+        f"Against the dense model of the same active parameters the MoE step takes {', '.join(moe_dense)} of "
+        "its time (medians)"
+    )
+    reading += (
+        f"; against transformers on the same MoE model, {', '.join(vs_hf)} of transformers' (below 1: Tandem faster)."
+        if vs_hf
+        else "."
+    )
+    spread = max((med[k] / fast[k] for k in med), default=1.0)
+    if spread > 1.5:
+        reading += (
+            f" Medians run up to {spread:.1f}x the fastest steps (threads descheduled mid-step on a shared "
+            "machine): ratios closer to 1 than that spread say little."
+        )
+    body += ["", reading]
+    return report.render_section(
+        SCRIPT,
+        "MoE decode step: against a dense model of the same active parameters, and against transformers (#25)",
+        command,
+        started,
+        (load0, os.getloadavg()[0]),
+        body,
+        report.git_rev(REPO, ignore=(Path(args.doc),)),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -130,7 +199,11 @@ def main() -> None:
     p.add_argument("--expert-inter", type=int, default=1024)
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--doc", default=None, help="write this run's section of this markdown page")
     args = p.parse_args()
+    started, load0 = time.time(), os.getloadavg()[0]
+    command = report.command_line(SCRIPT, sys.argv[1:])
+    results: dict[tuple[str, int], list[float]] = {}
     torch.set_num_threads(args.threads)
     print(
         f"# {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
@@ -151,10 +224,14 @@ def main() -> None:
             if not args.no_transformers:
                 dtype = getattr(torch, args.dtype)
                 times = time_transformers(configs["moe (mixtral)"], dtype, batch, args.input_len, args.steps)
-                rows.append(("transformers moe (mixtral)", times))
+                rows.append((HF, times))
             for name, times in rows:
+                results[name, batch] = times
                 med = statistics.median(times) * 1e3
                 print(f"| {name} | {batch} | {med:.2f} | {min(times) * 1e3:.2f} | {med / batch:.3f} |", flush=True)
+    if args.doc:
+        section = render_doc(results, args, command, started, load0)
+        print(f"[moe_decode] {args.doc}: {report.splice_section(Path(args.doc), SCRIPT, section)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,2 +1,3 @@
-"""Pure helpers of the benchmark tools: workload generation (`datasets`) and metric math
-(`metrics`). No I/O, no server: unit tests import them directly."""
+"""Helpers of the benchmark tools: workload generation (`datasets`), metric math (`metrics`)
+and report text with the generated sections of docs/benchmarks.md (`report`). No server:
+unit tests import them directly."""
