@@ -116,7 +116,6 @@ def render_doc(rows: list[tuple[str, str, float, float]], args, command: str, st
         ]
         if parts:
             reading = "With its defaults NGRAM averages " + ", and ".join(parts) + ". "
-        best = max(spec, key=lambda x: x[2])
         rep = [(ratio, length) for w, _, ratio, length in spec if w == "repeat"]
         if rep and max(rep)[0] < 1.1:
             reading += (
@@ -124,12 +123,16 @@ def render_doc(rows: list[tuple[str, str, float, float]], args, command: str, st
                 f"off at {max(rep)[1]:.2f} tokens a step, since a verify forward of several tokens costs about as "
                 "much as the decode steps it saves (docs/perf-log/speculative.md)."
             )
-        else:
+        elif ("repeat", "ngram") in by:
+            ratio, length = by["repeat", "ngram"]
             reading += (
-                f"The fastest row is {CONFIG_LABELS.get(best[1], best[1])} on {best[0]} at {best[2]:.2f}x of off "
-                f"({best[3]:.2f} tokens a step)."
+                f"It pays on the repeating workload only, and far less than the {length:.2f} tokens a step would "
+                f"give with a free verify: a verify forward costs about {length / ratio:.1f} decode steps here "
+                "(tokens a step / speed-up; docs/perf-log/speculative.md)."
             )
         fresh = [(ratio, length) for w, _, ratio, length in spec if w == "fresh"]
+        if fresh and all(abs(ratio - 1) < 0.1 for ratio, _ in fresh):
+            reading += " On fresh text every configuration is within 10% of off: no gain, and no loss beyond noise."
         if any(ratio > 1.1 and length < 1.6 for ratio, length in fresh):
             reading += (
                 " Fresh-text rows above 1x with fewer than 1.6 tokens a step are more than such acceptance can buy "

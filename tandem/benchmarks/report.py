@@ -204,7 +204,8 @@ def render_section(
     out += [f"- {line}" for line in machine_info()]
     out += [
         f"- 1-minute load average: {loads[0]:.2f} at the start of the run, {loads[1]:.2f} at its end "
-        f"(the benchmark itself adds up to ~1; above {cores}, the core count, other processes competed for the cores)",
+        f"(the run's own threads count in it, up to about the {cores} cores; above that, other processes "
+        "competed for them)",
         "",
     ]
     out += [*body, "", end]
