@@ -21,7 +21,10 @@ run with unittest, as SGLang runs them, after two substitutions:
   local model directory; no hub access), and
 - (`--engine tandem`) `popen_launch_server` launches Tandem: the `sglang serve ...` command
   it builds runs `python -m tandem.launch_server ...` with the same flags (a `sglang` script
-  first on PATH), in Tandem's environment (`--tandem-python`, without PYTHONPATH).
+  first on PATH), in Tandem's environment (`--tandem-python`, without PYTHONPATH);
+  (`--engine sglang`) it runs SGLang's own `sglang serve` from the running Python's venv on the
+  CPU (SGLANG_USE_CPU_ENGINE=1) with `--max-total-tokens` 65536 unless the test sets it, and
+  `--tests-dir` on its PYTHONPATH (custom logit processors are loaded by module name).
 Prints each test's result and, at the end, the pass count per module; `--results` keeps
 each test's outcome (ok, fail, error, skip; a failing setUpClass fails its class's tests)
 for `--compare`, which lists every test with both outcomes and the pass counts.
@@ -51,6 +54,21 @@ def _install_launcher(bin_dir: Path, tandem_python: str, drop: list[str]) -> Non
         '[ "$1" = serve ] && shift\n'
         f'for a do shift; case "$a" in {skip}) ;; *) set -- "$@" "$a" ;; esac; done\n'
         f'cd {REPO} && exec env -u PYTHONPATH {tandem_python} -m tandem.launch_server "$@"\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def _install_sglang_launcher(bin_dir: Path, max_total_tokens: int) -> None:
+    """A `sglang` executable that runs this Python's SGLang on the CPU (SGLANG_USE_CPU_ENGINE=1, as
+    ../shared/peers/serve.sh does) with a bounded KV cache (`--max-total-tokens`, before the test's
+    own flags so that a test's value wins): left alone, SGLang takes 70% of RAM for it."""
+    script = bin_dir / "sglang"
+    real = Path(sys.executable).parent / "sglang"
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = serve ] && shift\n'
+        f'exec env SGLANG_USE_CPU_ENGINE=1 {real} serve --max-total-tokens {max_total_tokens} "$@"\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -114,6 +132,12 @@ def main() -> int:
         help="a value-less flag to leave out of every launch, as --drop-flag=--FLAG (diagnosis: run the tests "
         "of a class whose server needs a flag Tandem refuses)",
     )
+    ap.add_argument(
+        "--sglang-max-total-tokens",
+        type=int,
+        default=65536,
+        help="(--engine sglang) the KV cache size SGLang's server gets unless a test sets it",
+    )
     ap.add_argument("modules", nargs="*", help="test module names (or module.Class.test) in --tests-dir")
     args = ap.parse_args()
     if args.compare:
@@ -124,6 +148,13 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.engine == "tandem":
         _install_launcher(Path(tempfile.mkdtemp(prefix="tandem-sglang-suite-")), args.tandem_python, args.drop_flag)
+    else:
+        _install_sglang_launcher(Path(tempfile.mkdtemp(prefix="sglang-suite-")), args.sglang_max_total_tokens)
+        # SGLang's server loads a custom logit processor's class by its module name (dill keeps
+        # `test_srt_endpoint` for a class defined in that module): its CI runs the servers from the
+        # test directory; here the directory is put on the servers' path.
+        paths = [os.path.abspath(args.tests_dir), os.environ.get("PYTHONPATH")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     _point_models_at(os.path.abspath(args.model_path))
     sys.path.insert(0, os.path.abspath(args.tests_dir))
 

@@ -451,10 +451,12 @@ class ServerArgs:
         )
         add(
             "--cuda-graph-max-bs",
+            "--cuda-graph-max-bs-decode",
             type=int,
             default=None,
             help="Largest decode batch run as a CUDA graph; larger batches run eagerly (default: "
-            "--max-running-requests, at most 256).",
+            "--max-running-requests, at most 256). --cuda-graph-max-bs-decode is SGLang's name for the "
+            "decode graphs' cap, the only graphs Tandem captures.",
         )
         add(
             "--cuda-graph-bs",

@@ -89,6 +89,7 @@ def test_every_sglang_flag(flag, caplog):
         (["--attention-backend", "triton"], "attention_backend", "triton"),
         (["--disable-cuda-graph"], "disable_cuda_graph", True),
         (["--cuda-graph-max-bs", "8"], "cuda_graph_max_bs", 8),
+        (["--cuda-graph-max-bs-decode", "8"], "cuda_graph_max_bs", 8),  # SGLang test_srt_endpoint's launch
         (["--cuda-graph-bs", "1", "3"], "cuda_graph_bs", [1, 3]),
         (["--log-level-http", "warning"], "log_level_http", "warning"),
         (["--grammar-backend", "none"], "grammar_backend", "none"),
