@@ -50,7 +50,7 @@ serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
 	$(PY) -m tandem.launch_server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install default-model
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 # The fast tier: the unit tests (in-process: no servers), without those marked slow; about
 # 3 minutes on 2 cores.

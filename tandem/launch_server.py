@@ -1,17 +1,22 @@
-"""`python -m tandem.launch_server --model-path DIR|FILE.gguf`: start a Tandem server."""
+"""`python -m tandem.launch_server --model-path DIR|FILE.gguf`: start a Tandem server.
+
+NOTE: everything but argparse is imported inside main(): the scheduler and detokenizer
+processes are spawned, and a spawned child imports the parent's main module (this one)
+before its target's; imports here would load the HTTP stack into every child (about a
+second of start-up each)."""
 
 from __future__ import annotations
 
 import argparse
 
-from tandem.entrypoints.http_server import launch_server
-from tandem.entrypoints.subprocesses import StartupError
-from tandem.model_executor.model_loader import check_model
-from tandem.server_args import ServerArgs
-from tandem.utils.process import exit_now
-
 
 def main(argv: list[str] | None = None) -> None:
+    from tandem.entrypoints.http_server import launch_server
+    from tandem.entrypoints.subprocesses import StartupError
+    from tandem.model_executor.model_loader import check_model
+    from tandem.server_args import ServerArgs
+    from tandem.utils.process import exit_now
+
     parser = argparse.ArgumentParser(prog="python -m tandem.launch_server", description=__doc__)
     ServerArgs.add_cli_args(parser)
     server_args = ServerArgs.from_cli_args(parser.parse_args(argv))

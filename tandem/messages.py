@@ -33,11 +33,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tandem.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the detokenizer and the HTTP process import no torch for these messages
+    import torch
 
 
 @dataclass
@@ -179,10 +180,14 @@ class HostTensor:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> HostTensor:
+        import torch
+
         t = tensor.detach().to("cpu").contiguous()
         return cls(t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
     def to_tensor(self) -> torch.Tensor:
+        import torch
+
         return torch.from_numpy(self.data).view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
