@@ -48,13 +48,18 @@ def _install_launcher(bin_dir: Path, tandem_python: str, drop: list[str]) -> Non
     """A `sglang` executable that turns `sglang serve ARGS` into Tandem's launcher, without
     the value-less flags in `drop`."""
     skip = "|".join(drop) or "--never-given--"
-    script = bin_dir / "sglang"
-    script.write_text(
-        "#!/bin/sh\n"
-        '[ "$1" = serve ] && shift\n'
+    _put_sglang_first_on_path(
+        bin_dir,
         f'for a do shift; case "$a" in {skip}) ;; *) set -- "$@" "$a" ;; esac; done\n'
-        f'cd {REPO} && exec env -u PYTHONPATH {tandem_python} -m tandem.launch_server "$@"\n'
+        f'cd {REPO} && exec env -u PYTHONPATH {tandem_python} -m tandem.launch_server "$@"\n',
     )
+
+
+def _put_sglang_first_on_path(bin_dir: Path, body: str) -> None:
+    """Write `bin_dir/sglang`, a shell script that drops a leading `serve` and runs `body`, and
+    put `bin_dir` first on PATH (popen_launch_server runs `sglang serve ...`)."""
+    script = bin_dir / "sglang"
+    script.write_text('#!/bin/sh\n[ "$1" = serve ] && shift\n' + body)
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
@@ -63,15 +68,10 @@ def _install_sglang_launcher(bin_dir: Path, max_total_tokens: int) -> None:
     """A `sglang` executable that runs this Python's SGLang on the CPU (SGLANG_USE_CPU_ENGINE=1, as
     ../shared/peers/serve.sh does) with a bounded KV cache (`--max-total-tokens`, before the test's
     own flags so that a test's value wins): left alone, SGLang takes 70% of RAM for it."""
-    script = bin_dir / "sglang"
     real = Path(sys.executable).parent / "sglang"
-    script.write_text(
-        "#!/bin/sh\n"
-        '[ "$1" = serve ] && shift\n'
-        f'exec env SGLANG_USE_CPU_ENGINE=1 {real} serve --max-total-tokens {max_total_tokens} "$@"\n'
+    _put_sglang_first_on_path(
+        bin_dir, f'exec env SGLANG_USE_CPU_ENGINE=1 {real} serve --max-total-tokens {max_total_tokens} "$@"\n'
     )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
 
 def _point_models_at(model_path: str) -> None:

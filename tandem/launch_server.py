@@ -2,8 +2,8 @@
 
 NOTE: everything but argparse is imported inside main(): the scheduler and detokenizer
 processes are spawned, and a spawned child imports the parent's main module (this one)
-before its target's; imports here would load the HTTP stack into every child (about a
-second of start-up each)."""
+before its target's; imports here would load the HTTP stack (FastAPI, uvicorn, the
+routes) into every child as well."""
 
 from __future__ import annotations
 

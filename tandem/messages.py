@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.sampling.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the detokenizer and the HTTP process import no torch for these messages
+if TYPE_CHECKING:  # torch is imported where a HostTensor is made or read, not by every reader of messages
     import torch
 
 
