@@ -5,8 +5,9 @@ matcher (`Grammar`) per request; a batch's allowed tokens filled into a `VocabMa
 
 The cache holds the futures, so a grammar compiles once however many requests (or
 samples of `n > 1`) use it; a grammar that failed stays failed. A backend subclass
-gives `_compile(key)` (raises ValueError naming the field), `make_grammar(compiled)`,
-and, where its library has a batched fill, `_fill_rows`.
+gives `_load(tokenizer)` (its library's view of the vocabulary), `_compile(key)` (raises
+ValueError naming the field), `make_grammar(compiled)`, and, where its library has a
+batched fill, `_fill_rows`.
 
 All three write the same bitmask (int32 words, bit set: allowed; xgrammar's layout,
 which llguidance and outlines-core share), so `VocabMask` is one for all.
@@ -48,8 +49,20 @@ class Grammar(Protocol):
 class GrammarBackend:
     name = ""
 
-    def __init__(self, vocab_size: int, compile_threads: int = 1):
-        self.vocab_size = vocab_size
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = True,
+        compile_threads: int = 1,
+    ):
+        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
+        (padded vocabularies): the ids past the tokenizer's are never allowed."""
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.any_whitespace = any_whitespace
+        self._load(tokenizer)
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
         self._cache: collections.OrderedDict[GrammarKey, Future] = collections.OrderedDict()
 
@@ -65,6 +78,9 @@ class GrammarBackend:
         else:
             self._cache.move_to_end(key)
         return future
+
+    def _load(self, tokenizer) -> None:
+        raise NotImplementedError
 
     def _compile(self, key: GrammarKey) -> Any:
         raise NotImplementedError
@@ -95,17 +111,12 @@ def create_grammar_backend(
     Each library is imported only when chosen."""
     if name == "none" or tokenizer is None:
         return None
-    stop = sorted(stop_token_ids)
     if name == "xgrammar":
-        from tandem.constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, stop, any_whitespace=any_whitespace)
-    if name == "llguidance":
-        from tandem.constrained.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size, stop, any_whitespace=any_whitespace)
-    if name == "outlines":
-        from tandem.constrained.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(tokenizer, vocab_size, stop, any_whitespace=any_whitespace)
-    raise ValueError(f"--grammar-backend: unknown backend {name!r} (one of {', '.join(GRAMMAR_BACKENDS)})")
+        from tandem.constrained.xgrammar_backend import XGrammarBackend as backend
+    elif name == "llguidance":
+        from tandem.constrained.llguidance_backend import LLGuidanceBackend as backend
+    elif name == "outlines":
+        from tandem.constrained.outlines_backend import OutlinesBackend as backend
+    else:
+        raise ValueError(f"--grammar-backend: unknown backend {name!r} (one of {', '.join(GRAMMAR_BACKENDS)})")
+    return backend(tokenizer, vocab_size, stop_token_ids, any_whitespace=any_whitespace)

@@ -90,21 +90,10 @@ class LLGuidanceGrammar:
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        any_whitespace: bool = True,
-        compile_threads: int = 1,
-    ):
-        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
-        (padded vocabularies): the ids past the tokenizer's are never allowed."""
-        super().__init__(max(vocab_size, len(tokenizer)), compile_threads)
-        self.any_whitespace = any_whitespace
-        self._stop = frozenset(stop_token_ids)
+    def _load(self, tokenizer) -> None:
+        self._stop = frozenset(self.stop_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=self.vocab_size, eos_token=sorted(stop_token_ids)
+            tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids
         )
         self._executor = llguidance.LLExecutor(num_threads=1)
 

@@ -136,19 +136,8 @@ class OutlinesGrammar:
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        any_whitespace: bool = True,
-        compile_threads: int = 1,
-    ):
-        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
-        (padded vocabularies): the ids past the tokenizer's are never allowed."""
-        super().__init__(max(vocab_size, len(tokenizer)), compile_threads)
-        self.any_whitespace = any_whitespace
-        stop = sorted(stop_token_ids)
+    def _load(self, tokenizer) -> None:
+        stop = self.stop_token_ids
         self._stop = frozenset(stop)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop)
         skip = self._stop | set(info.special_token_ids)

@@ -43,21 +43,10 @@ class Grammar:
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        any_whitespace: bool = True,
-        compile_threads: int = 1,
-    ):
-        """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
-        (padded vocabularies): the ids past the tokenizer's are never allowed."""
+    def _load(self, tokenizer) -> None:
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=max(vocab_size, len(tokenizer)), stop_token_ids=sorted(stop_token_ids)
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
         )
-        super().__init__(info.vocab_size, compile_threads)
-        self.any_whitespace = any_whitespace
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=1)
 
