@@ -116,6 +116,19 @@ def random_model(
     return model
 
 
+def spread_gemma(model: torch.nn.Module) -> None:
+    """A `spread` for Gemma: random init leaves its norm weights at 0 (scale 1), the attention
+    scores too small to reach the soft-cap and the logits near-uniform (each of window,
+    attention and final soft-cap then moves the last logits by about half their largest)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8)
+        model.model.embed_tokens.weight.mul_(10)
+
+
 def save_random_model(path, build: Callable[[], torch.nn.Module], **kwargs):
     """`random_model(build, **kwargs)` saved with save_pretrained to `path`; returns `path`."""
     random_model(build, **kwargs).save_pretrained(path)

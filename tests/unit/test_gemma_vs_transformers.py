@@ -21,6 +21,7 @@ from runner_steps import (
     make_runner,
     random_model,
     reference_model,
+    spread_gemma,
 )
 
 PROMPTS = [[2, 5, 9, 13, 7, 7, 3, 11, 4, 30], [2, 8], list(range(1, 30))]
@@ -36,19 +37,6 @@ COMMON = dict(
     sliding_window=WINDOW,
     tie_word_embeddings=True,
 )
-
-
-def _spread_weights(model):
-    """Random init leaves Gemma's norm weights at 0 (scale 1), the attention scores too small
-    to reach the soft-cap and the logits near-uniform (each of window, attention and final
-    soft-cap then moves the last logits by about half their largest)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-            elif "q_proj" in name or "k_proj" in name:
-                p.mul_(8)
-        model.model.embed_tokens.weight.mul_(10)
 
 
 def _gemma2(**over):
@@ -83,7 +71,7 @@ def _gemma3(**over):
 
 def _random(build, seed):
     """Seeded, its weights spread (the head is the tied embedding, widened there)."""
-    return random_model(build, seed=seed, spread=_spread_weights, logit_scale=None)
+    return random_model(build, seed=seed, spread=spread_gemma, logit_scale=None)
 
 
 FAMILIES = {"gemma2": _gemma2, "gemma3": _gemma3}

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_writer import quantize, write_gguf
-from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner, random_model
+from runner_steps import assert_greedy_matches_transformers, greedy_steps, make_runner, random_model, spread_gemma
 from safetensors.numpy import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -43,17 +43,6 @@ COMMON = dict(
 )
 
 
-def _spread_gemma(model):
-    """Gemma's norm weights off 0, scores large enough to reach the soft-cap, logits spread."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-            elif "q_proj" in name or "k_proj" in name:
-                p.mul_(8)
-        model.model.embed_tokens.weight.mul_(10)
-
-
 def _gemma2():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -67,7 +56,7 @@ def _gemma2():
         attn_logit_softcapping=2.0,
         final_logit_softcapping=5.0,
     )
-    return random_model(lambda: Gemma2ForCausalLM(config), spread=_spread_gemma, logit_scale=None)
+    return random_model(lambda: Gemma2ForCausalLM(config), spread=spread_gemma, logit_scale=None)
 
 
 def _gemma3():
@@ -86,7 +75,7 @@ def _gemma3():
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
     )
-    return random_model(lambda: Gemma3ForCausalLM(config), seed=1, spread=_spread_gemma, logit_scale=None)
+    return random_model(lambda: Gemma3ForCausalLM(config), seed=1, spread=spread_gemma, logit_scale=None)
 
 
 def _phi3(**over):
