@@ -25,7 +25,7 @@ def get_json_schema_constraint(
         parameters = dict(parameters_of(f))
         for key, value in parameters.pop("$defs", {}).items():
             if defs.setdefault(key, value) != value:
-                raise ValueError(f"tools: the $defs entry {key!r} has different schemas in different tools")
+                raise ValueError(f"tools: the $defs entry {key!r} has multiple schemas, which is not supported")
         items.append(
             {
                 "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": parameters},

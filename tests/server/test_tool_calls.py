@@ -315,6 +315,36 @@ def test_bad_tool_fields_are_400_naming_the_field(http, body, param):
     assert err["code"] == 400 and err["object"] == "error"
 
 
+_POINT = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"]}
+
+
+@pytest.mark.parametrize(
+    "tools,param,words",
+    [
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "unknown_type"}}}],
+            "tools.0.function.parameters",
+            "invalid 'parameters' schema",
+        ),
+        (
+            [
+                {"type": "function", "function": {"name": n, "parameters": {**_POINT, "$defs": {"Point": {"type": t}}}}}
+                for n, t in (("f", "string"), ("g", "number"))
+            ],
+            "tools",
+            "has multiple schemas, which is not supported",
+        ),
+    ],
+)
+def test_bad_tool_schemas_say_it_in_sglangs_words(http, tools, param, words):
+    """Clients match SGLang's wording of these two 400s; the field still comes first."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "tools": tools, "tool_choice": "required"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["param"] == param and err["message"].startswith(param + ": ") and words in err["message"], err
+
+
 def test_bad_tool_choice_is_400_through_the_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(

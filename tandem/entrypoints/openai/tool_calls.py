@@ -117,7 +117,7 @@ def _check_parameters(req: ChatCompletionRequest) -> None:
             Draft202012Validator.check_schema(tool.function.parameters)
         except SchemaError as e:
             field = f"tools.{i}.function.parameters"
-            raise OpenAIError(f"{field}: not a valid JSON schema: {e.message}", 400, param=field) from e
+            raise OpenAIError(f"{field}: invalid 'parameters' schema: {e.message}", 400, param=field) from e
 
 
 def new_tool_call_id() -> str:
