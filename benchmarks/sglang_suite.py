@@ -18,7 +18,8 @@ server (`--engine sglang`).
 test/srt/...); they are SGLang's code (Apache-2.0) and are not shipped here. Each module is
 run with unittest, as SGLang runs them, after two substitutions:
 - every `DEFAULT_*MODEL*` name in `sglang.test.test_utils` becomes `--model-path` (a
-  local model directory; no hub access), and
+  local model directory; no hub access), as does any other model name given to
+  `popen_launch_server` or `get_tokenizer` that is not a directory, and
 - (`--engine tandem`) `popen_launch_server` launches Tandem: the `sglang serve ...` command
   it builds runs `python -m tandem.launch_server ...` with the same flags (a `sglang` script
   first on PATH), in Tandem's environment (`--tandem-python`, without PYTHONPATH);
@@ -75,11 +76,19 @@ def _install_sglang_launcher(bin_dir: Path, max_total_tokens: int) -> None:
 
 
 def _point_models_at(model_path: str) -> None:
+    import sglang.srt.utils.hf_transformers_utils as hf
     import sglang.test.test_utils as tu
 
     for name in dir(tu):
         if name.startswith("DEFAULT_") and "MODEL" in name and isinstance(getattr(tu, name), str):
             setattr(tu, name, model_path)
+
+    # Some classes name a hub model outright (test_tool_choice's "Qwen/Qwen2.5-7B-Instruct"):
+    # the server and the tokenizer get the local directory for any name that is not one.
+    def local(fn):
+        return lambda model, *a, **kw: fn(model if os.path.isdir(model) else model_path, *a, **kw)
+
+    tu.popen_launch_server, hf.get_tokenizer = local(tu.popen_launch_server), local(hf.get_tokenizer)
 
 
 def _outcomes(test_ids: list[str], result: unittest.TestResult) -> dict[str, str]:
