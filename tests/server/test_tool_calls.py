@@ -359,3 +359,18 @@ def test_bad_tool_choice_is_400_through_the_openai_client(oai):
 
 def test_model_info_reports_the_parser(http):
     assert http.get("/model_info").json()["tool_call_parser"] == "qwen25"
+
+
+@pytest.mark.parametrize("parser", ["mistral", "pythonic", "lfm2"])
+def test_other_parsers_serve_auto_and_required(tiny_llama_dir, parser):
+    """A server with each of the other parsers (SGLang's names) starts and answers `auto`
+    (plain text from a random model: it writes no calls) and `required` (constrained calls)."""
+    with (
+        ServerHandle(tiny_llama_dir, ["--tool-call-parser", parser]) as h,
+        httpx.Client(base_url=h.base_url, timeout=120) as c,
+    ):
+        assert c.get("/model_info").json()["tool_call_parser"] == parser
+        (auto,) = _post(c, _body(tool_choice="auto", max_tokens=16))["choices"]
+        assert isinstance(auto["message"]["content"], str) and auto["finish_reason"] in ("stop", "length")
+        (required,) = _post(c, _body(tool_choice="required"))["choices"]
+        assert required["finish_reason"] == "tool_calls" and required["message"]["tool_calls"]

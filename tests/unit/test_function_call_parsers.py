@@ -15,12 +15,16 @@ from tandem.function_call.core_types import StreamingParseResult
 from tandem.function_call.function_call_parser import ToolCallParserEnum
 from tandem.function_call.json_array_parser import JsonArrayParser, NamedFunctionParser
 from tandem.function_call.llama32_detector import Llama32Detector
+from tandem.function_call.mistral_detector import MistralDetector
+from tandem.function_call.pythonic_detector import Lfm2Detector, PythonicDetector
 from tandem.function_call.qwen25_detector import Qwen25Detector
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "tool_calls"
 TOOL_NAMES = ("get_current_weather", "get_time", "translate")
 CASES = [
-    (family, case) for family in ("llama3", "qwen25") for case in json.loads((FIXTURES / f"{family}.json").read_text())
+    (family, case)
+    for family in ("llama3", "qwen25", "pythonic", "lfm2", "mistral")
+    for case in json.loads((FIXTURES / f"{family}.json").read_text())
 ]
 
 
@@ -45,6 +49,8 @@ def _streamed(detector, text: str, size: int) -> tuple[list[StreamingParseResult
 def test_sglang_parser_names():
     assert ToolCallParserEnum["llama3"] is Llama32Detector
     assert ToolCallParserEnum["qwen25"] is ToolCallParserEnum["qwen"] is Qwen25Detector
+    assert ToolCallParserEnum["pythonic"] is PythonicDetector and ToolCallParserEnum["lfm2"] is Lfm2Detector
+    assert ToolCallParserEnum["mistral"] is MistralDetector
 
 
 @pytest.mark.parametrize("family,case", CASES, ids=[f"{f}-{c['id']}" for f, c in CASES])
