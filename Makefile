@@ -14,6 +14,10 @@ STORIES := assets/stories260K
 PORT ?= 30000
 HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each test file runs whole in one of them (--dist loadfile:
+# a module's servers start once). Two on two cores: one worker's servers start, sleep in
+# timeout tests or wait on a browser while the other computes.
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test test-fast lint format demo-model stories-model default-model clean
 
@@ -50,12 +54,12 @@ serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
 	$(PY) -m tandem.launch_server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install default-model
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS) tests
 
 # The fast tier: the unit tests (in-process: no servers), without those marked slow; about
-# 3 minutes on 2 cores.
+# 2 minutes on 2 cores (two test processes).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS) tests/unit
 
 # ruff (configured in pyproject.toml): the linter and the formatter's check; CI runs it.
 lint: install
