@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"object": "error", "message", "type", "param", "code"}` (SGLang's
 shape), on /v1/responses nested as `{"error": {"message", "type", "param", "code"}}` (OpenAI's,
-which SGLang's tests of that route read).
+which SGLang's tests of that route read), on /v1/messages in Anthropic's shape
+`{"type": "error", "error": {"type": "invalid_request_error", "message"}}`.
 
 Client mistakes become 400 (401 for a missing/wrong API key, 404 for unknown routes or
 models); the server never answers 500 for something the client can fix. Handlers here
@@ -33,6 +34,17 @@ _NATIVE_TO_OPENAI = {
 }
 # Routes whose errors nest under "error".
 NESTED_ERROR_PATHS = frozenset({"/v1/responses"})
+# Routes whose errors take Anthropic's shape.
+ANTHROPIC_ERROR_PATHS = frozenset({"/v1/messages"})
+# HTTP status -> Anthropic's error type (others: invalid_request_error, or api_error from 500).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 # Pydantic location parts that name a union member or validator, not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|lax-or-strict|json-or-python)\b|[\[\]<>]")
 
@@ -53,6 +65,16 @@ class OpenAIError(Exception):
 
     def response(self, nested: bool = False) -> Response:
         return json_response(self.to_dict(nested), self.status)
+
+    def anthropic_dict(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response_for(self, path: str) -> Response:
+        """The response in the shape of the route at `path`."""
+        if path in ANTHROPIC_ERROR_PATHS:
+            return json_response(self.anthropic_dict(), self.status)
+        return self.response(path in NESTED_ERROR_PATHS)
 
 
 def _default_type(status: int) -> str:
@@ -85,6 +107,7 @@ _UNION_HINTS = {
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of content parts",
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "system": "must be a string or a list of text blocks",
 }
 
 
@@ -127,11 +150,11 @@ def from_validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer validation errors, HTTP errors (404/405) and OpenAIError in OpenAI's shape."""
+    """Answer validation errors, HTTP errors (404/405) and OpenAIError in the route's shape."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return from_validation_error(exc).response(request.url.path in NESTED_ERROR_PATHS)
+        return from_validation_error(exc).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -139,8 +162,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: no such route"
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
-        return OpenAIError(message, exc.status_code).response(request.url.path in NESTED_ERROR_PATHS)
+        return OpenAIError(message, exc.status_code).response_for(request.url.path)
 
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> Response:
-        return exc.response(request.url.path in NESTED_ERROR_PATHS)
+        return exc.response_for(request.url.path)

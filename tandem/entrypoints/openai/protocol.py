@@ -527,3 +527,57 @@ class ResponsesRequest(BaseModel):
             "prompt": lambda v: v is None,
         }
         return [name for name, ok in neutral.items() if not ok(getattr(self, name))]
+
+
+# ---- Anthropic's Messages API (POST /v1/messages) ------------------------------------
+
+
+class AnthropicContentBlock(BaseModel):
+    """A content block of a message or of `system`; only text blocks (and, in an assistant
+    turn of the history, thinking blocks, which are left out of the prompt) are served."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicContentBlock]
+
+
+class AnthropicThinking(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["enabled", "disabled"]
+    budget_tokens: StrictInt | None = Field(default=None, ge=1)  # accepted; no budget is enforced
+
+
+class AnthropicMessagesRequest(BaseModel):
+    """Anthropic's Messages body: `max_tokens` (required), `messages` (user/assistant, text),
+    `system`, sampling, `stop_sequences`, `stream`, `thinking`. `model` is optional, as on
+    the OpenAI routes. Tools are not served yet: `tools` is accepted only empty."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    max_tokens: StrictInt = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicContentBlock] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    thinking: AnthropicThinking | None = None
+    metadata: dict[str, Any] | None = None  # accepted and ignored
+    # Not supported yet: only the neutral value is accepted.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def unsupported_fields(self) -> list[str]:
+        neutral = {
+            "tools": lambda v: not v,
+            "tool_choice": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "none"),
+        }
+        return [name for name, ok in neutral.items() if not ok(getattr(self, name))]

@@ -2,8 +2,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /v1/models/{id}, POST /tokenize and /detokenize (also under /v1/), POST /v1/score
-(SGLang's), POST /v1/responses. Errors use OpenAI's shape
-(see `errors.py`), for these routes and for unknown routes (404).
+(SGLang's), POST /v1/responses, POST /v1/messages (Anthropic's). Errors use OpenAI's
+shape (Anthropic's on /v1/messages; see `errors.py`), for these routes and for unknown
+routes (404).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tandem.entrypoints.json_body import json_router
 from tandem.entrypoints.openai import serving_models
 from tandem.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from tandem.entrypoints.openai.protocol import (
+    AnthropicMessagesRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -27,6 +29,7 @@ from tandem.entrypoints.openai.protocol import (
 )
 from tandem.entrypoints.openai.serving_chat import ChatServing
 from tandem.entrypoints.openai.serving_completions import CompletionServing
+from tandem.entrypoints.openai.serving_messages import MessagesServing
 from tandem.entrypoints.openai.serving_responses import ResponsesServing
 from tandem.entrypoints.openai.serving_score import handle_score
 from tandem.entrypoints.responses import json_response
@@ -55,6 +58,7 @@ def openai_router(tm, server_args) -> APIRouter:
     chat = ChatServing(tm, server_args, load_chat_template(getattr(server_args, "chat_template", None)))
     completions = CompletionServing(tm, server_args)
     responses = ResponsesServing(chat)
+    messages = MessagesServing(chat)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
@@ -71,6 +75,10 @@ def openai_router(tm, server_args) -> APIRouter:
     @router.post("/v1/responses")
     async def responses_route(request: Request, req: ResponsesRequest) -> Response:
         return await responses.handle(request, req)
+
+    @router.post("/v1/messages")
+    async def messages_route(request: Request, req: AnthropicMessagesRequest) -> Response:
+        return await messages.handle(request, req)
 
     @router.get("/v1/models")
     async def models() -> Response:
@@ -104,8 +112,9 @@ def add_openai_routes(app: FastAPI, tm, server_args) -> None:
 
 
 def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:
-    """With `api_key`, require `Authorization: Bearer <api_key>` on every route but OPEN_PATHS
-    and GET of OPEN_GET_PATHS (the scheme is case-insensitive, as HTTP says)."""
+    """With `api_key`, require `Authorization: Bearer <api_key>` (the scheme is
+    case-insensitive, as HTTP says) or `x-api-key: <api_key>` (Anthropic's header) on every
+    route but OPEN_PATHS and GET of OPEN_GET_PATHS."""
     if not api_key:
         return
     expected = api_key.encode()
@@ -116,6 +125,9 @@ def add_api_key_middleware(app: FastAPI, api_key: str | None) -> None:
         if path in OPEN_PATHS or request.method == "OPTIONS" or (request.method == "GET" and path in OPEN_GET_PATHS):
             return await call_next(request)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), expected):
-            return OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401).response()
+        bearer = scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), expected)
+        x_api_key = request.headers.get("x-api-key")
+        if not bearer and not (x_api_key is not None and secrets.compare_digest(x_api_key.strip().encode(), expected)):
+            message = "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            return OpenAIError(message, 401).response_for(path)
         return await call_next(request)
