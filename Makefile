@@ -16,7 +16,9 @@ HOST ?= 127.0.0.1
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each test file runs whole in one of them (--dist loadfile:
 # a module's servers start once). Two on two cores: one worker's servers start, sleep in
-# timeout tests or wait on a browser while the other computes.
+# timeout tests or wait on a browser while the other computes. `make test` hands out the
+# files in collection order (--no-loadscope-reorder; xdist's default starts with the files of
+# most tests): the long server files first, the short unit files fill the end.
 TEST_WORKERS ?= 2
 
 .PHONY: install serve test test-fast lint format demo-model stories-model default-model clean
@@ -54,7 +56,7 @@ serve: install $(if $(filter models/demo-llama,$(MODEL)),demo-model) \
 	$(PY) -m tandem.launch_server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install default-model
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests
 
 # The fast tier: the unit tests (in-process: no servers), without those marked slow; about
 # 2 minutes on 2 cores (two test processes).
