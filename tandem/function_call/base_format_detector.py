@@ -133,3 +133,35 @@ class BaseFormatDetector(ABC):
             return _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError:
             return (None, len(text)) if final else (WAIT, pos)
+
+
+class TaggedBlockDetector(BaseFormatDetector):
+    """Calls in blocks between `START` and `END` tags, several in a row; text outside is
+    content. A block the output ends inside is parsed if what it holds is whole; a block
+    that holds no calls stays in the text. A subclass gives the tags and `_calls_in`."""
+
+    START = ""
+    END = ""
+
+    def _calls_in(self, body: str) -> list[DecodedCall] | None:
+        raise NotImplementedError
+
+    def _scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
+        pieces: list[Piece] = []
+        pos = 0
+        while pos < len(text):
+            start = text.find(self.START, pos)
+            if start == -1:
+                end = len(text) if final else len(text) - partial_suffix_len(text[pos:], self.START)
+                pieces.append(text[pos:end])
+                return pieces, end
+            pieces.append(text[pos:start])
+            body_start = start + len(self.START)
+            close = text.find(self.END, body_start)
+            if close == -1 and not final:
+                return pieces, start
+            body_end = len(text) if close == -1 else close
+            stop = len(text) if close == -1 else close + len(self.END)
+            pieces.extend(self._calls_in(text[body_start:body_end]) or [text[start:stop]])
+            pos = stop
+        return pieces, pos

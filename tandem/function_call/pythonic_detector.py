@@ -14,7 +14,13 @@ from __future__ import annotations
 import ast
 import json
 
-from tandem.function_call.base_format_detector import BaseFormatDetector, DecodedCall, Piece, partial_suffix_len
+from tandem.function_call.base_format_detector import (
+    BaseFormatDetector,
+    DecodedCall,
+    Piece,
+    TaggedBlockDetector,
+    partial_suffix_len,
+)
 
 # Llama 4 may wrap the list in these; they are dropped.
 _LLAMA4_TAGS = ("<|python_start|>", "<|python_end|>")
@@ -102,26 +108,8 @@ def _untagged(text: str) -> str:
     return text
 
 
-class Lfm2Detector(BaseFormatDetector):
-    def _scan(self, text: str, final: bool) -> tuple[list[Piece], int]:
-        pieces: list[Piece] = []
-        pos = 0
-        while pos < len(text):
-            start = text.find(LFM2_START, pos)
-            if start == -1:
-                end = len(text) if final else len(text) - partial_suffix_len(text[pos:], LFM2_START)
-                pieces.append(text[pos:end])
-                return pieces, end
-            pieces.append(text[pos:start])
-            body_start = start + len(LFM2_START)
-            close = text.find(LFM2_END, body_start)
-            if close == -1 and not final:
-                return pieces, start
-            body_end = len(text) if close == -1 else close
-            stop = len(text) if close == -1 else close + len(LFM2_END)
-            pieces.extend(self._calls_in(text[body_start:body_end]) or [text[start:stop]])
-            pos = stop
-        return pieces, pos
+class Lfm2Detector(TaggedBlockDetector):
+    START, END = LFM2_START, LFM2_END
 
     def _calls_in(self, body: str) -> list[DecodedCall] | None:
         calls = python_calls(body, self.tool_names)
