@@ -2,8 +2,10 @@
 linear of every layer is quantized), or as one C++ call each (`tandem_cpu.decode_layer`),
 equals the same step through the Python layer op by op: the same tokens and bit-identical
 logits, in float32 and bfloat16, for a Llama and a Qwen2 (QKV bias) GGUF model, batches of 1
-and 3; batches above QUANT_MAX_ROWS and layers with an unquantized linear take the Python
-layer (a model with one such layer runs its other layers one call each)."""
+and 3, on one thread and on two (where the layers run in one OpenMP region, each kernel's work
+shared by the threads); batches above QUANT_MAX_ROWS and layers with an unquantized linear take
+the Python layer (a model with one such layer runs its other layers one call each); an error
+inside the region reaches the caller as an exception."""
 
 from __future__ import annotations
 
@@ -71,9 +73,17 @@ def run(runner, prompts, mode: str):
             del layer.forward_fused
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype):
+def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, threads):
     runner = make_runner(gguf_files[arch], dtype=dtype)
     layers = runner.model.model.layers
     assert all(layer.fused_decode is not None for layer in layers)
@@ -101,3 +111,28 @@ def test_large_batches_and_unquantized_layers_take_the_python_layer(gguf_files):
     assert runner.model.model._fused_stack() is None  # rebuilt: layer 0 runs in Python
     _, calls = run(runner, [[1, 2, 3]], "stack")
     assert calls == {"stack": 0, "layers": STEPS * (len(layers) - 1)}
+
+
+def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_files, threads):
+    """A check that fails inside the region (here: heads that do not match the QKV output) is
+    a RuntimeError naming it, on every thread count; the same op then runs again."""
+    runner = make_runner(gguf_files["llama"], dtype="float32")
+    model = runner.model.model
+    stack = model._fused_stack()
+    op, weights, layout, eps, scale, heads, kv_heads = stack
+    hidden = torch.randn(1, runner.model.config.hidden_size)
+    pool = runner.token_to_kv_pool
+    n = len(model.layers)
+    head_dim = pool.k_buffer[0].shape[-1]
+    cos_sin = torch.zeros(1, 2, head_dim // 2)
+    tables = (
+        torch.zeros(1, dtype=torch.int64),  # the new token's slot
+        runner.req_to_token_pool.req_to_token,
+        torch.zeros(1, dtype=torch.int64),
+        torch.ones(1, dtype=torch.int64),
+    )
+    args = (eps, cos_sin, pool.k_buffer[:n], pool.v_buffer[:n], *tables, scale)
+    with pytest.raises(RuntimeError, match="QKV output does not match the heads"):
+        op(hidden, weights, layout, *args, heads + 1, kv_heads)
+    out, residual = op(hidden, weights, layout, *args, heads, kv_heads)
+    assert out.shape == residual.shape == hidden.shape and torch.isfinite(out).all()

@@ -25,26 +25,6 @@ namespace {
 
 using namespace tandem_cpu;
 
-// Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
-inline vec16 lane_sums16(vec16* v) {
-  const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const ivec16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const ivec16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const ivec16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const ivec16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const ivec16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const ivec16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const ivec16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  vec16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
-  for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
-  for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
-  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
-}
-
 // Asks for a key or value row ahead of its use: a request's decode-time slots are spread
 // over the pool (one per step, interleaved with the other requests'), which the hardware
 // prefetchers do not follow. To L2 (__builtin_prefetch's locality 2).
@@ -143,7 +123,7 @@ template <typename T, int C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                           at::Tensor& out) {
+                           at::Tensor& out, const Share& share) {
   const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
   const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale), static_cast<float>(softcap)};
@@ -163,7 +143,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t kv_per_task = (bs >= 2 * at::get_num_threads() && kv_heads * group <= 256) ? kv_heads : 1;
   const int64_t splits = kv_heads / kv_per_task, queries = kv_per_task * group;
 
-  at::parallel_for(0, bs * splits, 1, [&](int64_t begin, int64_t end) {
+  share.run(bs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(queries * max_len);
     std::vector<vec16> work(queries * (2 * (head_dim / 16) + 16));
     for (int64_t i = begin; i < end; ++i) {
@@ -182,12 +162,12 @@ template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                       at::Tensor& out) {
+                       at::Tensor& out, const Share& share) {
   switch (q.size(2)) {
-    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
-    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
-    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
-    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
+    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
   }
 }
 
@@ -204,6 +184,18 @@ namespace tandem_cpu {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3, "decode_attention: q, k, v must be 3-D");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  decode_attention_into(q, k_cache, v_cache, req_to_token, req_pool_indices.contiguous(), seq_lens.contiguous(), scale,
+                        window, softcap, out, Share{});
+  return out.view({q.size(0), q.size(1) * q.size(2)});
+}
+
+// decode_attention into out, this share of its tasks (ops.h).
+void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::Tensor& out,
+                           const Share& share) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "decode_attention: q, k, v must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
@@ -218,23 +210,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_pool_indices.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && req_to_token.stride(1) == 1,
               "decode_attention: index tensors must be int64 (req_to_token rows contiguous)");
-  auto rows = req_pool_indices.contiguous();
-  auto lens = seq_lens.contiguous();
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  TORCH_CHECK(req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: req_pool_indices and seq_lens must be contiguous");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.numel() == q.numel(),
+              "decode_attention: out must be contiguous [bs, num_heads, head_dim] in q's dtype");
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
+      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
       break;
     case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, rows, lens, scale, window, softcap, out);
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
       break;
     default:
       TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
   }
-  return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
 // k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into

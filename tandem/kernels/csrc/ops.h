@@ -3,10 +3,33 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <tuple>
 
 namespace tandem_cpu {
+
+// Where a kernel's range of work runs: split over PyTorch's threads by at::parallel_for (the
+// default), or, for a kernel called by every thread of one OpenMP region (decode_layers: one
+// region for a whole decode step instead of a fork and join per kernel), this thread's
+// contiguous share of the range.
+struct Share {
+  int tid = 0, threads = 1;
+  bool team = false;
+
+  template <typename F>
+  void run(int64_t n, int64_t grain, const F& f) const {
+    if (!team) {
+      at::parallel_for(0, n, grain, f);
+      return;
+    }
+    const int64_t per = (n + threads - 1) / threads;
+    const int64_t begin = std::min<int64_t>(n, tid * per), end = std::min<int64_t>(n, begin + per);
+    if (begin < end) f(begin, end);
+  }
+};
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
@@ -15,9 +38,18 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, int64_t window = 0, double softcap = 0.0);
+// decode_attention into out [bs, num_heads, head_dim] (q's dtype), the share of its tasks given.
+void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::Tensor& out,
+                           const Share& share);
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
                         int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias);
+// quant_linear into y [R, N] (x's dtype), the share of its output columns given.
+void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                       int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                       const Share& share);
 
 }  // namespace tandem_cpu

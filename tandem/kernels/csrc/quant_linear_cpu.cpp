@@ -169,6 +169,7 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
 // The one approximation is x rounded to int8 (at most half a step, max|x_block| / 254).
 
 constexpr int64_t kChunk = 64;  // weight bytes per step
+constexpr int64_t kPrefetch = 2048;  // bytes ahead of the weight stream (software prefetch)
 
 // x quantized for the chunks of a weight row: per row r and chunk i, `lo` (64 int8) meets the
 // chunk's bytes (the low nibbles of the 4-bit layout), `hi` (4-bit only) its high nibbles, `d`
@@ -258,49 +259,68 @@ inline __m512 load16_masked(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
-// sum_g mn[g] * gsum[g]
-template <typename S>
-inline float offsets(const S* mn, const float* gsum, int64_t G) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; g += 16) {
-    const __mmask16 m = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
-    acc = _mm512_fmadd_ps(load16_masked(mn + g, m), _mm512_maskz_loadu_ps(m, gsum + g), acc);
+// Weight row n times x rows r0 .. r0 + NR - 1: acc[r] gets 16 lane partial sums of
+// y[r0 + r, n], the mn offsets (sum_g mn[n, g] * gsum[r0 + r, g]) added into the same lanes;
+// the caller sums the lanes.
+template <int BITS, int GROUP, int NR, typename S>
+__attribute__((always_inline)) inline void vnni_row(const QuantizedX& X, int64_t r0, const uint8_t* q,
+                                                    const S* scale, const S* mn, int64_t row_bytes,
+                                                    __mmask64 tail_mask, int tail_groups, int64_t n, vec16* out) {
+  constexpr int kGroupsPerChunk = BITS == 4 ? 4 : kChunk / GROUP;
+  const int64_t G = X.G, chunks = X.chunks;
+  const uint8_t* qn = q + n * row_bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[NR];  // local: stores through `out` could alias the loads below and keep acc in memory
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  _mm_prefetch(reinterpret_cast<const char*>(scale + n * G) + kPrefetch / 8, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mn + n * G) + kPrefetch / 8, _MM_HINT_T0);
+  for (int64_t i = 0; i < chunks; ++i) {
+    const bool last = i == chunks - 1;
+    // The weight rows are one stream: ask for the bytes kPrefetch ahead (with the hardware
+    // prefetchers alone a core reads them at about half the rate a plain read reaches).
+    _mm_prefetch(reinterpret_cast<const char*>(qn + kChunk * i + kPrefetch), _MM_HINT_T0);
+    const __m512i w = _mm512_maskz_loadu_epi8(last ? tail_mask : ~0ull, qn + kChunk * i);
+    const __m512 ws = lane_scales<16 / kGroupsPerChunk>(scale + n * G + kGroupsPerChunk * i,
+                                                        last ? tail_groups : kGroupsPerChunk);
+    const __m512i lo = BITS == 4 ? _mm512_and_si512(w, low4) : w;
+    const __m512i hi = BITS == 4 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), low4) : w;
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const int64_t at = (r0 + r) * chunks + i;
+      __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(X.lo.data() + at * kChunk));
+      if constexpr (BITS == 4) sum = _mm512_dpbusd_epi32(sum, hi, _mm512_loadu_si512(X.hi.data() + at * kChunk));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, _mm512_loadu_ps(X.d.data() + at * 16)), acc[r]);
+    }
   }
-  return _mm512_reduce_add_ps(acc);
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 mask = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+    const __m512 mnv = load16_masked(mn + n * G + g, mask);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_fmadd_ps(mnv, _mm512_maskz_loadu_ps(mask, X.gsum.data() + (r0 + r) * G + g), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = (vec16)acc[r];
 }
 
-// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n].
+// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n]. The lanes
+// of 16 weight rows at a time are summed by one transpose-and-add (lane_sums16) instead of a
+// horizontal sum per output.
 template <int BITS, int GROUP, int NR, typename T, typename S>
 void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                 T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int kGroupsPerChunk = BITS == 4 ? 4 : kChunk / GROUP;
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, G = X.G, chunks = X.chunks;
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K, chunks = X.chunks;
   const int64_t tail = row_bytes - (chunks - 1) * kChunk;  // bytes in the last chunk, 1..64
   const __mmask64 tail_mask = tail == kChunk ? ~0ull : (1ull << tail) - 1;
-  const int tail_groups = static_cast<int>(G - (chunks - 1) * kGroupsPerChunk);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * row_bytes;
-    const S* sn = scale + n * G;
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < chunks; ++i) {
-      const bool last = i == chunks - 1;
-      const __m512i w = _mm512_maskz_loadu_epi8(last ? tail_mask : ~0ull, qn + kChunk * i);
-      const __m512 ws = lane_scales<16 / kGroupsPerChunk>(sn + kGroupsPerChunk * i, last ? tail_groups : kGroupsPerChunk);
-      const __m512i lo = BITS == 4 ? _mm512_and_si512(w, low4) : w;
-      const __m512i hi = BITS == 4 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), low4) : w;
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) {
-        const int64_t at = (r0 + r) * chunks + i;
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(X.lo.data() + at * kChunk));
-        if constexpr (BITS == 4) s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(X.hi.data() + at * kChunk));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_loadu_ps(X.d.data() + at * 16)), acc[r]);
-      }
-    }
+  const int tail_groups = static_cast<int>(X.G - (chunks - 1) * kGroupsPerChunk);
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    vec16 lanes[16][NR], by_row[NR][16];
+    for (int j = 0; j < rows; ++j)
+      vnni_row<BITS, GROUP, NR, S>(X, r0, q, scale, mn, row_bytes, tail_mask, tail_groups, n + j, lanes[j]);
     for (int r = 0; r < NR; ++r) {
-      const float off = offsets(mn + n * G, X.gsum.data() + (r0 + r) * G, G);
-      y[(r0 + r) * N + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) + off + (bias ? bias[n] : 0.f));
+      for (int j = 0; j < 16; ++j) by_row[r][j] = j < rows ? lanes[j][r] : vec16{};
+      const vec16 sums = lane_sums16(by_row[r]);
+      for (int j = 0; j < rows; ++j) y[(r0 + r) * N + n + j] = static_cast<T>(sums[j] + (bias ? bias[n + j] : 0.f));
     }
   }
 }
@@ -552,7 +572,7 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 // then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const float* bias, int64_t bits, int64_t group, at::Tensor& y) {
+                       const float* bias, int64_t bits, int64_t group, at::Tensor& y, const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -564,7 +584,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #ifdef TANDEM_QUANT_VNNI
   if constexpr (!std::is_same_v<T, float>) {
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    share.run(N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {
         vnni_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       } else if (group == 32) {
@@ -578,7 +598,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #elif defined(TANDEM_QUANT_AVX2)
   if constexpr (!std::is_same_v<T, float>) {
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    share.run(N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {
         avx2_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       } else if (group == 32) {
@@ -603,7 +623,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       xsum[r * G + g] = sum;
     }
   }
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  share.run(N, grain, [&](int64_t n0, int64_t n1) {
     if (bits == 4) {
       quant_rows<4, 32, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
     } else if (group == 32) {
@@ -619,10 +639,11 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 namespace tandem_cpu {
 
 // x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
-// [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None. Returns
-// y [R, N] in x's dtype (the float32 sum rounded once).
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+// [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None; y [R, N] in x's
+// dtype, contiguous: y's columns of this share = x @ W^T (the float32 sum rounded once).
+void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                       int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                       const Share& share) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "quant_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
   TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
@@ -638,20 +659,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
                     t->size(0) == N && t->size(1) == G,
                 "quant_linear: scale and mn must be contiguous float32 or float16 (both one dtype) [out, in/group]");
   }
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() && y.dim() == 2 && y.size(0) == R &&
+                  y.size(1) == N,
+              "quant_linear: y must be contiguous [rows, out] in x's dtype");
   const float* bias_p = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "quant_linear: bias must be contiguous float32 [out]");
     bias_p = bias->data_ptr<float>();
   }
-  auto y = at::empty({R, N}, x.options());
   const bool half_scales = scale.scalar_type() == at::kHalf;
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, bias_p, bits, group, y);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, bias_p, bits, group, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, bias_p, bits, group, y);
+      quant_linear_impl<T, float>(x, q, scale, mn, bias_p, bits, group, y, share);
     }
   };
   switch (x.scalar_type()) {
@@ -660,6 +683,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     case at::kHalf: run(c10::Half{}); break;
     default: TORCH_CHECK(false, "quant_linear: unsupported dtype ", x.scalar_type());
   }
+}
+
+// quant_linear_into a new y, split over PyTorch's threads.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
+  auto y = at::empty({x.size(0), q.dim() > 0 ? q.size(0) : 0}, x.options());
+  quant_linear_into(x, q, scale, mn, bits, group, bias, y, Share{});
   return y;
 }
 
