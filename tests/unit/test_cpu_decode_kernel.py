@@ -78,8 +78,28 @@ def reference(q, per_req, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(12, 4, 64), (8, 8, 128), (6, 2, 80), (32, 4, 16)])
-def test_decode_attention_matches_float64(dtype, tol, num_heads, kv_heads, head_dim):
-    seq_lens = [1, 15, 16, 17, 40, 3, 100]
+@pytest.mark.parametrize(
+    "seq_lens,threads",
+    [
+        ([1, 15, 16, 17, 40, 3, 100], None),
+        # fewer tasks than twice the threads: each task's keys split in parts, merged after
+        ([300], 2),
+        ([130, 64, 7], 2),
+        ([1000], 3),
+    ],
+    ids=["7-requests", "1-request-2-threads", "3-requests-2-threads", "1-request-3-threads"],
+)
+def test_decode_attention_matches_float64(dtype, tol, num_heads, kv_heads, head_dim, seq_lens, threads):
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        check_decode_attention(dtype, tol, num_heads, kv_heads, head_dim, seq_lens)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def check_decode_attention(dtype, tol, num_heads, kv_heads, head_dim, seq_lens):
     kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype)
     wide = torch.randn(len(seq_lens), num_heads * head_dim + 24).to(dtype)
     q = wide[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)  # rows strided, as in a fused QKV

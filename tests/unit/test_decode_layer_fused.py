@@ -21,6 +21,8 @@ from tandem.tools.make_tiny_model import make_tiny_model
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="Tandem's C++ CPU kernels are not built")
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70))]
+# one request of 2 KV heads on 2 threads, 140 keys: the attention splits each head's keys in parts
+LONG = [[1 + (7 * i) % 90 for i in range(140)]]
 STEPS = 6
 
 
@@ -88,7 +90,7 @@ def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, th
     layers = runner.model.model.layers
     assert all(layer.fused_decode is not None for layer in layers)
     assert runner.model.model._fused_stack() is not None
-    for prompts in (PROMPTS[:1], PROMPTS):
+    for prompts in (PROMPTS[:1], PROMPTS, LONG):
         (ids, logits), stack_calls = run(runner, prompts, "stack")
         (layer_ids, layer_logits), layer_calls = run(runner, prompts, "layers")
         (ref_ids, ref_logits), none = run(runner, prompts, "python")

@@ -45,10 +45,12 @@ struct DecodeTask {
   float scale;
   float softcap;  // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping)
 
-  // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors.
+  // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors. With
+  // `partial` (a part of the keys, merged by merge_parts): per query its weighted values before
+  // the division (head_dim floats), then all queries' score peaks and exp sums, instead of out.
   void run(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
            int64_t stride_h, int64_t kv_count, const int64_t* slots, int64_t len, int64_t max_len, float* scores,
-           vec16* work, T* out) const {
+           vec16* work, T* out, float* partial = nullptr) const {
     const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16, queries = kv_count * group;
     const int64_t row_elems = (kv_count - 1) * stride_h + head_dim;  // the task's part of a slot
     vec16* qv = work;                  // [queries][nc] the queries, scaled
@@ -84,7 +86,7 @@ struct DecodeTask {
         std::memcpy(scores + i * max_len + t0, &s, n * sizeof(float));
       }
     }
-    float inv[256];
+    float inv[256], peaks[256], totals[256];
     for (int64_t i = 0; i < queries; ++i) {
       float* si = scores + i * max_len;
       if (softcap > 0.f) {
@@ -100,6 +102,8 @@ struct DecodeTask {
         total += si[t];
       }
       inv[i] = 1.f / total;
+      peaks[i] = peak;
+      totals[i] = total;
     }
     for (int64_t i = 0; i < queries * nc; ++i) acc[i] = vec16{};
     for (int64_t t = 0; t < len; ++t) {
@@ -114,16 +118,72 @@ struct DecodeTask {
         }
       }
     }
+    if (partial != nullptr) {
+      for (int64_t i = 0; i < queries; ++i)
+        for (int64_t c = 0; c < nc; ++c) store16(partial + i * head_dim + c * 16, acc[i * nc + c]);
+      std::memcpy(partial + queries * head_dim, peaks, queries * sizeof(float));
+      std::memcpy(partial + queries * (head_dim + 1), totals, queries * sizeof(float));
+      return;
+    }
     for (int64_t i = 0; i < queries; ++i)
       for (int64_t c = 0; c < nc; ++c) store16(out + i * head_dim + c * 16, acc[i * nc + c] * inv[i]);
   }
+};
+
+// The `parts` partial results of one task (DecodeTask::run's `partial`, each over its part of
+// the keys) as the whole: each part's weighted values and exp sum rescaled to the largest peak.
+template <typename T>
+void merge_parts(const float* partial, int64_t parts, int64_t queries, int64_t head_dim, T* out) {
+  const int64_t stride = queries * (head_dim + 2);
+  for (int64_t i = 0; i < queries; ++i) {
+    float peak = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p) peak = std::max(peak, partial[p * stride + queries * head_dim + i]);
+    float total = 0.f, weight[64];
+    for (int64_t p = 0; p < parts; ++p) {
+      const float part_peak = partial[p * stride + queries * head_dim + i];
+      weight[p] = part_peak == -INFINITY ? 0.f : exp_nonpositive(part_peak - peak);  // a part with no keys: 0
+      total += weight[p] * partial[p * stride + queries * (head_dim + 1) + i];
+    }
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      vec16 sum{};
+      for (int64_t p = 0; p < parts; ++p) sum += weight[p] * load16(partial + p * stride + i * head_dim + c);
+      store16(out + i * head_dim + c, sum * (1.f / total));
+    }
+  }
+}
+
+// How a decode batch's attention is cut into tasks: a task per request and all its KV heads
+// (one stream through its slots) while there are requests enough to keep every thread busy,
+// else a task per (request, KV head); and, where those tasks are too few to share evenly among
+// the threads (one request's 3 KV heads on 2 threads: 2 against 1), each task's keys in `parts`
+// ranges of at least kMinPartKeys, their partial softmax sums merged after (merge_parts).
+constexpr int64_t kMinPartKeys = 64;
+
+struct AttentionSplit {
+  int64_t kv_per_task, splits, queries, tasks, parts, max_len;
+
+  AttentionSplit(int64_t bs, int64_t num_heads, int64_t kv_heads, const int64_t* lens, int64_t threads) {
+    const int64_t group = num_heads / kv_heads;
+    max_len = 0;
+    for (int64_t b = 0; b < bs; ++b) max_len = std::max(max_len, lens[b]);
+    max_len = (max_len + 15) / 16 * 16;  // whole blocks of 16 scores are stored
+    kv_per_task = (bs >= 2 * threads && kv_heads * group <= 256) ? kv_heads : 1;
+    splits = kv_heads / kv_per_task;
+    queries = kv_per_task * group;
+    tasks = bs * splits;
+    parts = 1;
+    if (threads > 1 && tasks < 2 * threads)
+      parts = std::max<int64_t>(1, std::min<int64_t>({(2 * threads + tasks - 1) / tasks, max_len / kMinPartKeys, 64}));
+  }
+  // floats of the parts' results (DecodeTask::run's `partial`), 0 when the keys are not split
+  int64_t partial_floats(int64_t head_dim) const { return parts > 1 ? tasks * parts * queries * (head_dim + 2) : 0; }
 };
 
 template <typename T, int C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                           at::Tensor& out, const Share& share) {
+                           at::Tensor& out, const Share& share, float* partial) {
   const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
   const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale), static_cast<float>(softcap)};
@@ -135,25 +195,40 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t table_stride = req_to_token.stride(0);
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < bs; ++b) max_len = std::max(max_len, lens[b]);
-  max_len = (max_len + 15) / 16 * 16;  // whole blocks of 16 scores are stored
-  // A task per request, all its KV heads (one stream through its slots) while there are
-  // requests enough to keep every thread busy; else a task per (request, KV head).
-  const int64_t kv_per_task = (bs >= 2 * at::get_num_threads() && kv_heads * group <= 256) ? kv_heads : 1;
-  const int64_t splits = kv_heads / kv_per_task, queries = kv_per_task * group;
-
-  share.run(bs * splits, 1, [&](int64_t begin, int64_t end) {
+  const AttentionSplit split(bs, num_heads, kv_heads, lens, share.team ? share.threads : at::get_num_threads());
+  const int64_t kv_per_task = split.kv_per_task, splits = split.splits, queries = split.queries;
+  const int64_t tasks = split.tasks, parts = split.parts, max_len = split.max_len;
+  std::vector<float> own;  // the parts' results, when the caller gave no room for them
+  if (parts > 1 && partial == nullptr) {
+    TORCH_CHECK(!share.team, "decode_attention: split keys inside a team need the caller's partial buffer");
+    own.resize(split.partial_floats(head_dim));
+    partial = own.data();
+  }
+  auto run_task = [&](int64_t i, float* scores, vec16* work) {
+    const int64_t t = i / parts, part = i % parts, b = t / splits, h0 = (t % splits) * kv_per_task;
+    // A sliding window: the query (position lens[b] - 1) sees the last `window` keys only.
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, len = lens[b] - first;
+    const int64_t k0 = len * part / parts, k1 = len * (part + 1) / parts;
+    task.run(q_ptr + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1), k_ptr + h0 * k_cache.stride(1),
+             v_ptr + h0 * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), kv_per_task,
+             table + rows[b] * table_stride + first + k0, k1 - k0, max_len, scores, work,
+             out_ptr + (b * num_heads + h0 * group) * head_dim,
+             parts > 1 ? partial + i * queries * (head_dim + 2) : nullptr);
+  };
+  share.run(tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(queries * max_len);
     std::vector<vec16> work(queries * (2 * (head_dim / 16) + 16));
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / splits, h0 = (i % splits) * kv_per_task;
-      // A sliding window: the query (position lens[b] - 1) sees the last `window` keys only.
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      task.run(q_ptr + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1), k_ptr + h0 * k_cache.stride(1),
-               v_ptr + h0 * v_cache.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), kv_per_task,
-               table + rows[b] * table_stride + first, lens[b] - first, max_len, scores.data(), work.data(),
-               out_ptr + (b * num_heads + h0 * group) * head_dim);
+    for (int64_t i = begin; i < end; ++i) run_task(i, scores.data(), work.data());
+  });
+  if (parts == 1) return;
+  if (share.team) {
+#pragma omp barrier
+  }
+  share.run(tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / splits, h0 = (t % splits) * kv_per_task;
+      merge_parts(partial + t * parts * queries * (head_dim + 2), parts, queries, head_dim,
+                  out_ptr + (b * num_heads + h0 * group) * head_dim);
     }
   });
 }
@@ -162,12 +237,12 @@ template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                       at::Tensor& out, const Share& share) {
+                       at::Tensor& out, const Share& share, float* partial) {
   switch (q.size(2)) {
-    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
-    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
-    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
-    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
   }
 }
 
@@ -195,7 +270,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::Tensor& out,
-                           const Share& share) {
+                           const Share& share, float* partial) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "decode_attention: q, k, v must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
@@ -215,17 +290,27 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
               "decode_attention: out must be contiguous [bs, num_heads, head_dim] in q's dtype");
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
       break;
     case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share);
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
       break;
     default:
       TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
   }
+}
+
+// Floats of room decode_attention_into needs for its parts' results on `threads` threads (0:
+// none), for q [bs, num_heads, head_dim], k_cache [slots, kv_heads, head_dim], seq_lens [bs].
+int64_t decode_attention_partial_floats(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& seq_lens,
+                                        int64_t threads) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong,
+              "decode_attention: q, k must be 3-D and seq_lens contiguous int64");
+  const AttentionSplit split(q.size(0), q.size(1), k_cache.size(1), seq_lens.data_ptr<int64_t>(), threads);
+  return split.partial_floats(q.size(2));
 }
 
 // k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
                                               const std::vector<Layer>& layers, const Step& step) {
   const int64_t n = hidden.size(0);
   Failure failure;
-  at::Tensor h, qkv, attn, o, h2, gu, act, out;
+  at::Tensor h, qkv, attn, partial, o, h2, gu, act, out;
   // Every layer's phases: fn(all, work) runs work on every thread of the region (all) or on
   // thread 0, then waits for the others.
   auto each_layer = [&](const Share& share, auto&& phase) {
@@ -105,12 +105,15 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
         tandem_cpu::kv_write(k_cache, v_cache, step.slots, qk.narrow(1, step.num_heads, step.num_kv_heads),
                              qkv.narrow(1, q_size + kv_size, kv_size).view({n, step.num_kv_heads, head_dim}));
         attn = at::empty({n, step.num_heads, head_dim}, hidden.options());
+        partial = at::empty({tandem_cpu::decode_attention_partial_floats(attn, layer.k_cache, step.seq_lens, share.threads)},
+                            hidden.options().dtype(at::kFloat));
         o = at::empty({n, layer.o.out()}, hidden.options());
       });
       phase(true, [&] {
         const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, step.num_heads, head_dim});
         tandem_cpu::decode_attention_into(q, layer.k_cache, layer.v_cache, step.req_to_token, step.req_pool_indices,
-                                          step.seq_lens, step.scale, 0, 0.0, attn, share);
+                                          step.seq_lens, step.scale, 0, 0.0, attn, share,
+                                          partial.numel() > 0 ? partial.data_ptr<float>() : nullptr);
       });
       phase(true, [&] { layer.o.into(attn.view({n, q_size}), o, share); });
       phase(false, [&] {

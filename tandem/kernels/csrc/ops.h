@@ -39,10 +39,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, int64_t window = 0, double softcap = 0.0);
 // decode_attention into out [bs, num_heads, head_dim] (q's dtype), the share of its tasks given.
+// Where it splits the keys of few tasks (decode_attention_partial_floats > 0) every thread of a
+// team must call it, with one buffer of that many floats (it waits for the others before merging).
 void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::Tensor& out,
-                           const Share& share);
+                           const Share& share, float* partial = nullptr);
+int64_t decode_attention_partial_floats(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& seq_lens,
+                                        int64_t threads);
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
