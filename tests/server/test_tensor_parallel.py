@@ -138,6 +138,7 @@ def test_one_process_per_rank_and_a_dead_rank_takes_the_server_down(tp2_server):
 
 
 GGUF_NEW_TOKENS = 8
+GREEDY_TIE = 1e-4  # logits this close are a tie that float32 sums in another order may break either way
 
 
 @pytest.mark.parametrize(
@@ -181,8 +182,15 @@ def test_gguf_greedy_equals_tp1(tiny_llama_gguf_dir, tmp_path, arch, qtype, extr
         )
     for i, out in enumerate(outs):
         n = i % len(PROMPTS)
-        assert out["output_ids"] == want_ids[n], PROMPTS[n]
-        for step, (logprob, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        got = out["output_ids"]
+        agree = next((s for s, (a, b) in enumerate(zip(got, want_ids[n])) if a != b), len(want_ids[n]))
+        if agree < len(want_ids[n]):
+            # Only at a tie: the concurrent requests make other batches than the reference's
+            # (other prefill row counts for oneDNN's float32 GEMM), whose sums round apart by
+            # ~1e-6; a random tiny model's logits can tie closer than that.
+            top2 = logits[agree][n].double().topk(2).values
+            assert top2[0] - top2[1] < GREEDY_TIE, (PROMPTS[n], agree, got, want_ids[n], top2.tolist())
+        for step, (logprob, token, _) in enumerate(out["meta_info"]["output_token_logprobs"][:agree]):
             want = torch.log_softmax(logits[step][n], -1)[token].item()
             assert abs(logprob - want) < LOGPROB_TOL, (PROMPTS[n], step, logprob, want)
     assert embed.status_code == 200, embed.text

@@ -46,6 +46,9 @@ using namespace tandem_cpu;
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 constexpr int kRowBlock = 4;  // rows of x sharing one read of a weight row
+// Bytes ahead of the weight stream that the int8 paths ask for (software prefetch): with the
+// hardware prefetchers alone a core read the blocks at about half a plain read's rate.
+constexpr int64_t kPrefetch = 2048;
 
 inline float lane_sum(vec16 v) {
   float s = 0.f;
@@ -169,7 +172,6 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
 // The one approximation is x rounded to int8 (at most half a step, max|x_block| / 254).
 
 constexpr int64_t kChunk = 64;  // weight bytes per step
-constexpr int64_t kPrefetch = 2048;  // bytes ahead of the weight stream (software prefetch)
 
 // x quantized for the chunks of a weight row: per row r and chunk i, `lo` (64 int8) meets the
 // chunk's bytes (the low nibbles of the 4-bit layout), `hi` (4-bit only) its high nibbles, `d`
@@ -276,8 +278,7 @@ __attribute__((always_inline)) inline void vnni_row(const QuantizedX& X, int64_t
   _mm_prefetch(reinterpret_cast<const char*>(mn + n * G) + kPrefetch / 8, _MM_HINT_T0);
   for (int64_t i = 0; i < chunks; ++i) {
     const bool last = i == chunks - 1;
-    // The weight rows are one stream: ask for the bytes kPrefetch ahead (with the hardware
-    // prefetchers alone a core reads them at about half the rate a plain read reaches).
+    // the weight rows are one stream, asked for kPrefetch bytes ahead
     _mm_prefetch(reinterpret_cast<const char*>(qn + kChunk * i + kPrefetch), _MM_HINT_T0);
     const __m512i w = _mm512_maskz_loadu_epi8(last ? tail_mask : ~0ull, qn + kChunk * i);
     const __m512 ws = lane_scales<16 / kGroupsPerChunk>(scale + n * G + kGroupsPerChunk * i,
@@ -520,8 +521,11 @@ void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, co
     const S* sn = scale + n * G;
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    _mm_prefetch(reinterpret_cast<const char*>(sn) + kPrefetch / 8, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn + n * G) + kPrefetch / 8, _MM_HINT_T0);
     for (int64_t i = 0; i < chunks; ++i) {
       const bool partial = half_tail && i == chunks - 1;
+      if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + kAvx2Chunk * i + kPrefetch), _MM_HINT_T0);
       const __m256i w = partial ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + kAvx2Chunk * i)))
                                 : avx2_load(qn + kAvx2Chunk * i);
       __m256i a, b;
