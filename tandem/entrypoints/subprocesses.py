@@ -83,10 +83,10 @@ class ServerProcesses:
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGSTOP)
-        for p in self.procs:
-            if p.pid is not None:
-                kill_process_tree(p.pid, sig=signal.SIGKILL)
-        for p in self.procs:
+        started = [p for p in self.procs if p.pid is not None]  # a failed start-up may not have started all
+        for p in started:
+            kill_process_tree(p.pid, sig=signal.SIGKILL)
+        for p in started:
             p.join(timeout=5)
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
