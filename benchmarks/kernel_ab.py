@@ -94,13 +94,11 @@ def main() -> int:
         (m for m in model.modules() if getattr(m, "_stack_cache", None) is not None and m._stack_cache[1] is not None),
         None,
     )
-    sides = {"this tree": (ours, None), f"base {args.base}": (base, None)}
+    ours_stack = base_stack = None
     if stack_owner is not None:
         fused, stack = stack_owner._stack_cache
-        sides = {
-            "this tree": (ours, (fused, stack)),
-            f"base {args.base}": (base, (fused, (base.decode_layers, *stack[1:]))),
-        }
+        ours_stack, base_stack = (fused, stack), (fused, (base.decode_layers, *stack[1:]))
+    sides = {"this tree": (ours, ours_stack), f"base {args.base}": (base, base_stack)}
     steps: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(args.steps // args.block):
         name = list(sides)[block % 2]

@@ -159,6 +159,9 @@ void merge_parts(const float* partial, int64_t parts, int64_t queries, int64_t h
 // ranges of at least kMinPartKeys, their partial softmax sums merged after (merge_parts).
 constexpr int64_t kMinPartKeys = 64;
 
+// The threads a share's tasks are spread over.
+inline int64_t threads_of(const Share& share) { return share.team ? share.threads : at::get_num_threads(); }
+
 struct AttentionSplit {
   int64_t kv_per_task, splits, queries, tasks, parts, max_len;
 
@@ -195,7 +198,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t table_stride = req_to_token.stride(0);
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const AttentionSplit split(bs, num_heads, kv_heads, lens, share.team ? share.threads : at::get_num_threads());
+  const AttentionSplit split(bs, num_heads, kv_heads, lens, threads_of(share));
   const int64_t kv_per_task = split.kv_per_task, splits = split.splits, queries = split.queries;
   const int64_t tasks = split.tasks, parts = split.parts, max_len = split.max_len;
   std::vector<float> own;  // the parts' results, when the caller gave no room for them
@@ -303,14 +306,15 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
   }
 }
 
-// Floats of room decode_attention_into needs for its parts' results on `threads` threads (0:
-// none), for q [bs, num_heads, head_dim], k_cache [slots, kv_heads, head_dim], seq_lens [bs].
-int64_t decode_attention_partial_floats(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& seq_lens,
-                                        int64_t threads) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong,
-              "decode_attention: q, k must be 3-D and seq_lens contiguous int64");
-  const AttentionSplit split(q.size(0), q.size(1), k_cache.size(1), seq_lens.data_ptr<int64_t>(), threads);
-  return split.partial_floats(q.size(2));
+// Floats of room decode_attention_into needs for its parts' results (0: none) with this share,
+// for `bs` queries of `num_heads` heads on k_cache [slots, kv_heads, head_dim], seq_lens [bs].
+int64_t decode_attention_partial_floats(int64_t bs, int64_t num_heads, const at::Tensor& k_cache,
+                                        const at::Tensor& seq_lens, const Share& share) {
+  TORCH_CHECK(k_cache.dim() == 3 && seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.numel() == bs,
+              "decode_attention: k must be 3-D and seq_lens contiguous int64 [bs]");
+  const AttentionSplit split(bs, num_heads, k_cache.size(1), seq_lens.data_ptr<int64_t>(), threads_of(share));
+  return split.partial_floats(k_cache.size(2));
 }
 
 // k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into

@@ -84,7 +84,14 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
                                               const std::vector<Layer>& layers, const Step& step) {
   const int64_t n = hidden.size(0);
   Failure failure;
-  at::Tensor h, qkv, attn, partial, o, h2, gu, act, out;
+  at::Tensor h, qkv, attn, o, h2, gu, act, out;
+  const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+  // Room for decode attention's split keys, the same for every layer (one pool shape, one
+  // batch): allocated once, before the region.
+  const at::Tensor partial = at::empty(
+      {tandem_cpu::decode_attention_partial_floats(n, step.num_heads, layers.front().k_cache, step.seq_lens,
+                                                   Share{0, threads, threads > 1})},
+      hidden.options().dtype(at::kFloat));
   // Every layer's phases: fn(all, work) runs work on every thread of the region (all) or on
   // thread 0, then waits for the others.
   auto each_layer = [&](const Share& share, auto&& phase) {
@@ -105,11 +112,12 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
         tandem_cpu::kv_write(k_cache, v_cache, step.slots, qk.narrow(1, step.num_heads, step.num_kv_heads),
                              qkv.narrow(1, q_size + kv_size, kv_size).view({n, step.num_kv_heads, head_dim}));
         attn = at::empty({n, step.num_heads, head_dim}, hidden.options());
-        partial = at::empty({tandem_cpu::decode_attention_partial_floats(attn, layer.k_cache, step.seq_lens, share.threads)},
-                            hidden.options().dtype(at::kFloat));
         o = at::empty({n, layer.o.out()}, hidden.options());
       });
       phase(true, [&] {
+        TORCH_CHECK(partial.numel() == tandem_cpu::decode_attention_partial_floats(n, step.num_heads, layer.k_cache,
+                                                                                    step.seq_lens, share),
+                    "decode_layer: the region has other threads than asked for");
         const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, step.num_heads, head_dim});
         tandem_cpu::decode_attention_into(q, layer.k_cache, layer.v_cache, step.req_to_token, step.req_pool_indices,
                                           step.seq_lens, step.scale, 0, 0.0, attn, share,
@@ -132,7 +140,6 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
       }
     }
   };
-  const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   if (threads == 1) {  // no region
     each_layer(Share{}, [](bool, auto&& fn) { fn(); });
   } else {

@@ -45,8 +45,8 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::Tensor& out,
                            const Share& share, float* partial = nullptr);
-int64_t decode_attention_partial_floats(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& seq_lens,
-                                        int64_t threads);
+int64_t decode_attention_partial_floats(int64_t bs, int64_t num_heads, const at::Tensor& k_cache,
+                                        const at::Tensor& seq_lens, const Share& share);
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
