@@ -55,7 +55,9 @@ def half_rows_reference(x: torch.Tensor, isa: str) -> torch.Tensor:
 
 def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
     """`kernel` (quant_linear of some build, whose paths are `isa`) against the float64
-    references of the module docstring: float32, bfloat16 and float16 rows."""
+    references of the module docstring: float32, bfloat16 and float16 rows; float32 rows
+    with `int8_x` against x rounded as half rows are (the float32 sums of the bfloat16 rows'
+    path: rounded to bfloat16, bit-identical to that path's outputs)."""
     # Odd output counts; column counts that leave a partial 64-byte chunk at a row's end
     # (17 groups of 32) where the type allows (K-quants hold 256 columns a block).
     k_quant = name.endswith("_K")
@@ -68,6 +70,13 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
     got = kernel(x, *arrays, packed.bits, packed.group)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
+    got_int8 = kernel(x, *arrays, packed.bits, packed.group, None, True)
+    assert got_int8.dtype == torch.float32
+    ref_int8 = half_rows_reference(x, isa) @ weight.T
+    torch.testing.assert_close(got_int8.double(), ref_int8, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    xb = x.to(torch.bfloat16)
+    got_bf16 = kernel(xb, *arrays, packed.bits, packed.group)
+    assert torch.equal(kernel(xb.float(), *arrays, packed.bits, packed.group, None, True).to(torch.bfloat16), got_bf16)
     for dtype in (torch.bfloat16, torch.float16):
         xh = x.to(dtype)
         got_half = kernel(xh, *arrays, packed.bits, packed.group)

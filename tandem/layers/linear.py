@@ -86,10 +86,11 @@ class LinearBase(nn.Module):
         return self.bias
 
     def process_weights_after_loading(
-        self, backend: str, keep_weight: bool = False, quantization: str | None = None
+        self, backend: str, keep_weight: bool = False, quantization: str | None = None, int8_x: bool = False
     ) -> None:
         """Choose the matmul kernel for the loaded weight; free `weight` when a packed
         kernel holds it, unless `keep_weight` (it is shared with another module).
+        `int8_x`: the quantized kernel rounds float32 rows to int8 too (`QuantLinearKernel`).
         `quantization` (q8_0, q4_0, q4_1) first rounds the weight to that GGUF type where its
         input width allows (`quantize_dense`): the dense kernel then multiplies the
         dequantized values (in the weight's dtype; a shared weight changes for its other
@@ -102,9 +103,9 @@ class LinearBase(nn.Module):
             self.weight.data.copy_(torch.from_numpy(packed.dequantize()))
         if backend == "auto":
             self.quant_kernel = (
-                QuantLinearKernel.from_packed(packed, self.weight.data, self._kernel_bias())
+                QuantLinearKernel.from_packed(packed, self.weight.data, self._kernel_bias(), int8_x)
                 if packed is not None
-                else QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias())
+                else QuantLinearKernel.build(parts, self.weight.data, self._kernel_bias(), int8_x)
             )
         # GGUF types this layer serves dequantized only (no quantized kernel for them here)
         self.dequantized_types = {p.loaded.qtype.name for p in parts} if self.quant_kernel is None else set()

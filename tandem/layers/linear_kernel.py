@@ -13,13 +13,15 @@ for its device, chosen once after the weights are loaded (`--linear-backend`).
   kernels for 1 or 2 rows read the weight more slowly than its kernel for 4 (measured on
   the 100M model's decode linears, one thread: 1 row 8-18% and 2 rows 17-34% slower than
   4 rows; 3 rows as fast as 4; docs/perf-log/cpu-decode.md, "Linear kernels").
-  Elsewhere (CUDA, other dtypes, no oneDNN) `auto` is `torch`.
+  Elsewhere (CUDA, other dtypes, no oneDNN, bfloat16 on a CPU whose oneDNN path lacks the
+  ISA for it) `auto` is `torch`.
 
 Results equal `F.linear`'s to float rounding (the summation order differs).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -37,14 +39,26 @@ PADDED_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `auto` packs this weight: a 2-D CPU float32/bfloat16 tensor, oneDNN built in."""
+    """Whether `auto` packs this weight: a 2-D CPU float32/bfloat16 tensor, oneDNN built in
+    and packing that dtype on this CPU (its bfloat16 path needs AVX-512 or AVX-NE-CONVERT)."""
     return (
         weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.dtype in _PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _onednn_packs(weight.dtype)
     )
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN reorders a weight of `dtype` here (probed once: it refuses by the CPU's ISA)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), _PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedCpuLinear:

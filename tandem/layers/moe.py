@@ -155,7 +155,9 @@ class FusedMoE(nn.Module):
         # where each expert's gate/up and down weights came from in a GGUF file (`BlockPart`s)
         self.gguf_parts: tuple[list[list[BlockPart]], ...] = tuple([[] for _ in range(num_experts)] for _ in "gd")
 
-    def process_weights_after_loading(self, backend: str, quantization: str | None = None) -> None:
+    def process_weights_after_loading(
+        self, backend: str, quantization: str | None = None, int8_x: bool = False
+    ) -> None:
         """Each expert's two matmuls on `backend`'s kernel (`make_linear_kernel`: oneDNN's
         packed layout on CPU with `auto`), which then holds the only copy of the weights;
         left on `torch.mm` over the stacked tensors where the backend packs none.
@@ -165,7 +167,8 @@ class FusedMoE(nn.Module):
         at most `QUANT_MAX_ROWS` tokens the blocks (Tandem's C++ kernel). `quantized`: how
         many of the 2 * E projections were. Experts loaded from a GGUF file's quantized
         stacks keep that file's blocks so, with `auto`, where the type has a layout
-        (`QuantLinearKernel.build`, as a dense linear's); `on_file_blocks`: how many."""
+        (`QuantLinearKernel.build`, as a dense linear's); `on_file_blocks`: how many.
+        `int8_x`: as `LinearBase.process_weights_after_loading`'s."""
         self.kernels, self.quantized, self.on_file_blocks = None, 0, 0
         per_proj = []
         gguf_parts, self.gguf_parts = self.gguf_parts, tuple([[] for _ in range(self.num_experts)] for _ in "gd")
@@ -179,9 +182,9 @@ class FusedMoE(nn.Module):
                     weight.copy_(torch.from_numpy(packed.dequantize()))
                     self.quantized += 1
                     if backend == "auto":
-                        quant = QuantLinearKernel.from_packed(packed, weight, None)
+                        quant = QuantLinearKernel.from_packed(packed, weight, None, int8_x)
                 elif backend == "auto":  # a GGUF file's blocks, where they have a layout
-                    quant = QuantLinearKernel.build(parts[e], weight, None)
+                    quant = QuantLinearKernel.build(parts[e], weight, None, int8_x)
                     self.on_file_blocks += quant is not None
                 dense = make_linear_kernel(weight, None, backend)
                 kernels.append(_rows_dispatch(quant, dense, weight) if quant is not None else dense)

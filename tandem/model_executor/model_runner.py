@@ -192,7 +192,10 @@ class ModelRunner:
         if source.path is None:
             initialize_dummy_weights(model, self.server_args.random_seed)
         model.load_weights(source.iterate(show_progress), require_all=source.path is not None)
-        model.process_weights_after_loading(self.server_args.linear_backend, self.server_args.quantization)
+        # Quantized matmuls round their rows to int8 (llama.cpp's recipe, as bfloat16 rows always
+        # are), float32 ones too, unless float32 was asked for by name: then they stay exact.
+        int8_x = self.server_args.dtype != "float32"
+        model.process_weights_after_loading(self.server_args.linear_backend, self.server_args.quantization, int8_x)
         return model.eval()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:

@@ -244,7 +244,7 @@ class DecoderLayer(nn.Module):
             return
         kernels = [m.quant_kernel for m in linears]
         weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in kernels]
-        formats = [v for m in linears for v in (m.quant_kernel.bits, m.quant_kernel.group)]
+        formats = [v for k in kernels for v in (k.bits, k.group, int(k.int8_x))]
         self.fused_decode = (ops.decode_layer, weights, formats)
 
     def forward_fused(self, cos_sin, hidden, residual, fb, ctx, tables):
@@ -322,7 +322,7 @@ class DecoderModel(nn.Module):
         stack = self._fused_stack() if tables is not None else None
         if stack is not None:  # every layer in one C++ call: `forward_fused` of each, in order
             op, weights, layout, eps, scale, num_heads, num_kv_heads = stack
-            pool, n = ctx.kv_pool, len(layout) // 12
+            pool, n = ctx.kv_pool, len(layout) // 16
             k, v = pool.k_buffer, pool.v_buffer
             if len(k) != n:
                 k, v = k[:n], v[:n]
@@ -491,17 +491,20 @@ class CausalLM(nn.Module):
             # One parameter under two names; the checkpoint's lm_head.weight (if any) is skipped.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def process_weights_after_loading(self, linear_backend: str, quantization: str | None = None) -> None:
+    def process_weights_after_loading(
+        self, linear_backend: str, quantization: str | None = None, int8_x: bool = False
+    ) -> None:
         """Choose every linear layer's matmul kernel (`--linear-backend`) once loaded;
         `--quantization` q8_0/q4_0/q4_1 quantizes each one's weight first, the LM head's
-        too (a tied head's quantized weight is then also the embedding's)."""
+        too (a tied head's quantized weight is then also the embedding's). `int8_x`: the
+        quantized matmuls round float32 rows to int8 too (`QuantLinearKernel`)."""
         at_load = quantization if quantization in QUANTIZE_AT_LOAD else None
         dequantized: set[str] = set()
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, LinearBase)]
         for _, module in linears:
             # A tied head shares its weight with the embedding lookup: keep it.
             keep = module is self.lm_head and self.tie_word_embeddings
-            module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load)
+            module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load, int8_x=int8_x)
             dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
         for layer in self.model.layers:
             layer.prepare_fused_decode()

@@ -158,12 +158,14 @@ class MoECausalLM(CausalLM):
         if missing and require_all:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
 
-    def process_weights_after_loading(self, linear_backend: str, quantization: str | None = None) -> None:
-        super().process_weights_after_loading(linear_backend, quantization)
+    def process_weights_after_loading(
+        self, linear_backend: str, quantization: str | None = None, int8_x: bool = False
+    ) -> None:
+        super().process_weights_after_loading(linear_backend, quantization, int8_x)
         at_load = quantization if quantization in QUANTIZE_AT_LOAD else None
         experts = [m for m in self.modules() if isinstance(m, FusedMoE)]
         for module in experts:
-            module.process_weights_after_loading(linear_backend, at_load)
+            module.process_weights_after_loading(linear_backend, at_load, int8_x)
         if at_load:
             logger.info(
                 "--quantization %s: %d of %d expert projections quantized (input width a multiple of 32), "

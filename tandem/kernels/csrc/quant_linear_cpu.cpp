@@ -9,14 +9,16 @@
 //   bits 8 (group 16 or 32): one uint8 q per column.
 // The paths, chosen when the library is built for the machine it runs on (-march=native; the
 // cached build's name hashes the CPU's flags, so another CPU gets its own build):
-// - float32 rows (and every row where the CPU lacks AVX2) are multiplied in float32:
+// - float32 rows (unless the caller asks for int8 activations: `int8_x`) and every row where the
+//   CPU lacks AVX2 are multiplied in float32:
 //   y[r, n] = sum_g (sum_k (scale * q) * x[r, k]) + sum_g mn * (sum_k x[r, k]), the products
 //   scale * q rounded as a dequantized weight is, so a result differs from
 //   dequantize-then-matmul only by the summation order (widening by AVX-512F, AVX2 or plain
 //   loops);
-// - bfloat16 / float16 rows with AVX-512 VNNI: x quantized per 32 columns to int8 and integer
-//   dot products (llama.cpp's recipe; the VNNI section below says what it computes);
-// - bfloat16 / float16 rows with AVX2 but not AVX-512 VNNI: the same int8 recipe, the same
+// - bfloat16 / float16 rows (and float32 rows with `int8_x`) with AVX-512 VNNI: x quantized per
+//   32 columns to int8 and integer dot products (llama.cpp's recipe; the VNNI section below says
+//   what it computes);
+// - the same rows with AVX2 but not AVX-512 VNNI: the same int8 recipe, the same
 //   integer sums, by AVX-VNNI's VPDPBUSD or AVX2's VPMADDUBSW (the AVX2 section below; code
 //   of its own, so that the AVX-512 VNNI path's results stay bit-identical:
 //   tests/data/quant_linear_avx512_vnni.json).
@@ -571,12 +573,13 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 #endif
 #endif
 
-// bfloat16 / float16 rows through an int8 path where the CPU has one; otherwise (and for float32
-// rows, whose results equal dequantize-then-matmul) x's rows in float32 and each group's sum;
-// then every output row, split over threads.
+// bfloat16 / float16 rows, and float32 rows with int8_x, through an int8 path where the CPU has
+// one; otherwise (float32 rows without int8_x, whose results equal dequantize-then-matmul) x's
+// rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const float* bias, int64_t bits, int64_t group, at::Tensor& y, const tandem_cpu::Share& share) {
+                       const float* bias, int64_t bits, int64_t group, bool int8_x, at::Tensor& y,
+                       const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -586,7 +589,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   // Output rows per task: ~64 KB of weights, below which a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
 #ifdef TANDEM_QUANT_VNNI
-  if constexpr (!std::is_same_v<T, float>) {
+  if (!std::is_same_v<T, float> || int8_x) {
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {
@@ -600,7 +603,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return;
   }
 #elif defined(TANDEM_QUANT_AVX2)
-  if constexpr (!std::is_same_v<T, float>) {
+  if (!std::is_same_v<T, float> || int8_x) {
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {
@@ -645,8 +648,10 @@ namespace tandem_cpu {
 // x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
 // [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None; y [R, N] in x's
 // dtype, contiguous: y's columns of this share = x @ W^T (the float32 sum rounded once).
+// int8_x: float32 rows too take the int8 path (bfloat16 / float16 rows always do, where the
+// build has one).
 void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                       int64_t bits, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
                        const Share& share) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "quant_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
@@ -676,9 +681,9 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, bias_p, bits, group, y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, bias_p, bits, group, int8_x, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, bias_p, bits, group, y, share);
+      quant_linear_impl<T, float>(x, q, scale, mn, bias_p, bits, group, int8_x, y, share);
     }
   };
   switch (x.scalar_type()) {
@@ -691,16 +696,16 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 // quant_linear_into a new y, split over PyTorch's threads.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool int8_x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
   auto y = at::empty({x.size(0), q.dim() > 0 ? q.size(0) : 0}, x.options());
-  quant_linear_into(x, q, scale, mn, bits, group, bias, y, Share{});
+  quant_linear_into(x, q, scale, mn, bits, group, int8_x, bias, y, Share{});
   return y;
 }
 
-// The path this build takes for bfloat16 / float16 rows (int8 activations multiplied by
-// "avx512_vnni", "avx_vnni" or "avx2_maddubs"; "float" without AVX2) and, after a comma, the
-// widening of the float path (float32 rows, and every row without AVX2).
+// The path this build takes for bfloat16 / float16 rows and int8_x (int8 activations multiplied
+// by "avx512_vnni", "avx_vnni" or "avx2_maddubs"; "float" without AVX2) and, after a comma, the
+// widening of the float path (float32 rows without int8_x, and every row without AVX2).
 std::string quant_linear_isa() {
 #ifdef TANDEM_QUANT_VNNI
   std::string half = "avx512_vnni";
@@ -721,7 +726,9 @@ std::string quant_linear_isa() {
 }  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None, "
+      "bool int8_x=False) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &tandem_cpu::quant_linear);
   m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
 }

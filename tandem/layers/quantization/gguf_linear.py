@@ -8,8 +8,10 @@ has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
 and the layer multiplies inputs of at most `QUANT_MAX_ROWS` rows (decode steps) with the
 C++ kernel `tandem_cpu.quant_linear`,
 reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
-the dense kernel, which is faster there. Results equal the dense matmul's up to the
-summation order (the kernel computes in float32 on the exact dequantized values).
+the dense kernel, which is faster there. The kernel rounds the rows to int8 (llama.cpp's
+recipe: bfloat16 rows always, float32 rows unless the model asked for exact float32 matmuls,
+`--dtype float32`); exact float32 results equal the dense matmul's up to the summation order
+(the kernel computes in float32 on the exact dequantized values).
 
 Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows) are widened
 to the 8-bit layout to share one matrix. Where a part has no layout (F16, BF16, F32, a
@@ -104,10 +106,13 @@ def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.
 
 
 class QuantLinearKernel:
-    """`x @ W.T (+ b)` for W in a `Packed` layout (x: [..., in], float32/bfloat16/float16)."""
+    """`x @ W.T (+ b)` for W in a `Packed` layout (x: [..., in], float32/bfloat16/float16).
+    bfloat16/float16 rows are rounded to int8 per 32 columns and multiplied in integers
+    (llama.cpp's recipe), float32 rows too where `int8_x`; float32 rows without it are
+    multiplied exactly (dequantize-then-matmul up to the summation order)."""
 
-    def __init__(self, packed: Packed, bias: torch.Tensor | None, ops):
-        self.bits, self.group, self.ops = packed.bits, packed.group, ops
+    def __init__(self, packed: Packed, bias: torch.Tensor | None, ops, int8_x: bool):
+        self.bits, self.group, self.ops, self.int8_x = packed.bits, packed.group, ops, int8_x
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
@@ -116,7 +121,9 @@ class QuantLinearKernel:
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
-    def build(cls, parts: list[BlockPart], weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinearKernel | None:
+    def build(
+        cls, parts: list[BlockPart], weight: torch.Tensor, bias: torch.Tensor | None, int8_x: bool
+    ) -> QuantLinearKernel | None:
         """The kernel for a layer whose rows `parts` name, or None (module docstring)."""
         if not parts or weight.device.type != "cpu" or weight.dim() != 2:
             return None
@@ -135,23 +142,25 @@ class QuantLinearKernel:
         if len({(p.bits, p.group) for p in packs}) > 1:
             group = min(p.group for p in packs)
             packs = [widen(p, group) for p in packs]
-        return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops)
+        return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops, int8_x)
 
     @classmethod
-    def from_packed(cls, packed: Packed, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinearKernel | None:
+    def from_packed(
+        cls, packed: Packed, weight: torch.Tensor, bias: torch.Tensor | None, int8_x: bool
+    ) -> QuantLinearKernel | None:
         """The kernel for a dense `weight` quantized at load (`quantize_dense` gave `packed`),
         or None where the weight is not on the CPU or the C++ kernels are unavailable."""
         ops = cpu_kernels.load()
         if ops is None or weight.device.type != "cpu":
             return None
-        return cls(packed, bias, ops)
+        return cls(packed, bias, ops, int8_x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # a decode step's [rows, in]: no reshapes (a few us on each of ~120 calls a step)
-            return self.ops.quant_linear(x, self.q, self.scale, self.mn, self.bits, self.group, self.bias)
+            return self.ops.quant_linear(x, self.q, self.scale, self.mn, self.bits, self.group, self.bias, self.int8_x)
         lead = x.shape[:-1]
         out = self.ops.quant_linear(
-            x.reshape(-1, self.in_features), self.q, self.scale, self.mn, self.bits, self.group, self.bias
+            x.reshape(-1, self.in_features), self.q, self.scale, self.mn, self.bits, self.group, self.bias, self.int8_x
         )
         return out.view(*lead, self.out_features)
 
