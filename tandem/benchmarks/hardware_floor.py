@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.linear import LinearBase
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 
 _BANDWIDTH_BYTES = 512 * 2**20
 _MATMUL_DIM = 1024
@@ -71,7 +70,7 @@ def dense_weight_elements(model: nn.Module, rows: int) -> int:
     return sum(
         _dense_elements(m)
         for m in model.modules()
-        if isinstance(m, LinearBase) and not (m.quant_kernel is not None and rows <= QUANT_MAX_ROWS)
+        if isinstance(m, LinearBase) and not (m.quant_kernel is not None and rows <= m.quant_kernel.max_rows)
     )
 
 
@@ -81,7 +80,7 @@ def linear_weight_bytes(model: nn.Module, rows: int, element_size: int) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
-            if module.quant_kernel is not None and rows <= QUANT_MAX_ROWS:
+            if module.quant_kernel is not None and rows <= module.quant_kernel.max_rows:
                 total += module.quant_kernel.nbytes()
             else:
                 total += _dense_elements(module) * element_size

@@ -33,7 +33,6 @@ from torch import nn
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 from tandem.layers.quantization.gguf_linear import (
-    QUANT_MAX_ROWS,
     BlockPart,
     QuantLinearKernel,
     is_gguf_tensor,
@@ -114,7 +113,7 @@ class LinearBase(nn.Module):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_kernel is not None and x.numel() <= QUANT_MAX_ROWS * x.shape[-1]:
+        if self.quant_kernel is not None and x.numel() <= self.quant_kernel.max_rows * x.shape[-1]:
             return self.quant_kernel(x)
         if self.kernel is not None:
             return self.kernel(x)

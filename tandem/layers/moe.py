@@ -36,7 +36,6 @@ from tandem.layers.activation import SiluAndMul
 from tandem.layers.linear import divide
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 from tandem.layers.quantization.gguf_linear import (
-    QUANT_MAX_ROWS,
     BlockPart,
     QuantLinearKernel,
     is_gguf_tensor,
@@ -123,7 +122,7 @@ def _rows_dispatch(quant: QuantLinearKernel, dense: LinearKernel | None, weight:
             return torch.mm(x, weight.t())
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        return quant(x) if x.shape[0] <= QUANT_MAX_ROWS else dense(x)
+        return quant(x) if x.shape[0] <= quant.max_rows else dense(x)
 
     return matmul
 
@@ -164,7 +163,7 @@ class FusedMoE(nn.Module):
         `quantization` (q8_0, q4_0, q4_1) first rounds each expert's projection to that GGUF
         type where its input width is a whole number of blocks (as `LinearBase` does): the
         dense kernel multiplies the dequantized values, and with `auto` an expert's slice of
-        at most `QUANT_MAX_ROWS` tokens the blocks (Tandem's C++ kernel). `quantized`: how
+        few tokens the blocks (Tandem's C++ kernel, `QuantLinearKernel.max_rows`). `quantized`: how
         many of the 2 * E projections were. Experts loaded from a GGUF file's quantized
         stacks keep that file's blocks so, with `auto`, where the type has a layout
         (`QuantLinearKernel.build`, as a dense linear's); `on_file_blocks`: how many.

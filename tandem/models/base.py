@@ -39,7 +39,6 @@ from tandem.layers.activation import GeluTanhAndMul, SiluAndMul
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
@@ -245,12 +244,12 @@ class DecoderLayer(nn.Module):
         kernels = [m.quant_kernel for m in linears]
         weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in kernels]
         formats = [v for k in kernels for v in (k.bits, k.group, int(k.int8_x))]
-        self.fused_decode = (ops.decode_layer, weights, formats)
+        self.fused_decode = (ops.decode_layer, weights, formats, min(k.max_rows for k in kernels))
 
     def forward_fused(self, cos_sin, hidden, residual, fb, ctx, tables):
         """`forward` of a decode batch in one C++ call (`prepare_fused_decode`; the same
         kernels in the same order, so the same result)."""
-        op, weights, formats = self.fused_decode
+        op, weights, formats, _ = self.fused_decode
         attn, layer_id = self.self_attn, self.self_attn.layer_id
         return op(
             hidden,
@@ -364,20 +363,20 @@ class DecoderModel(nn.Module):
         if any(params(layer) != first or layer.self_attn.layer_id != i for i, layer in enumerate(self.layers)):
             return None
         weights, layout = [], []
-        for layer, (_, linear_weights, formats) in zip(self.layers, fused):
+        for layer, (_, linear_weights, formats, _) in zip(self.layers, fused):
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for w in linear_weights:
                 weights += w
             layout += [len(w) for w in linear_weights] + list(formats)
         return (ops.decode_layers, weights, layout, *first)
 
-    @staticmethod
-    def _fused_decode_tables(hidden, cos_sin, fb, ctx):
+    def _fused_decode_tables(self, hidden, cos_sin, fb, ctx):
         """The attention tables for `DecoderLayer.forward_fused` when this forward may run
-        its layers so: a plain decode on the C++ CPU kernels, of rows few enough for the
-        quantized matmuls (`QUANT_MAX_ROWS`), the pool, rotation and activations in one dtype,
-        and no LoRA adapter in the batch."""
-        if fb.batch_size > QUANT_MAX_ROWS or hidden.dim() != 2 or fb.out_cache_loc.dtype != torch.int64:
+        its layers so: a plain decode on the C++ CPU kernels, of rows few enough for every
+        fused layer's quantized matmuls (`QuantLinearKernel.max_rows`), the pool, rotation and
+        activations in one dtype, and no LoRA adapter in the batch."""
+        max_rows = min((f[3] for layer in self.layers if (f := layer.fused_decode) is not None), default=0)
+        if fb.batch_size > max_rows or hidden.dim() != 2 or fb.out_cache_loc.dtype != torch.int64:
             return None
         if ctx.lora is not None:  # the fused layer adds no LoRA delta
             return None

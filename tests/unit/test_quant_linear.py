@@ -39,7 +39,8 @@ from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
+from tandem.layers.linear_kernel import can_pack
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QUANT_MAX_ROWS_INT8
 from tandem.layers.quantization.gguf_repack import repack
 from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.model_executor.gguf_loader import GGUFWeight
@@ -172,17 +173,33 @@ def test_row_parallel_shard_runs_quantized(tp_rank):
     torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)
 
 
-def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch):
+# (dtype, int8_x): the rows up to which the blocks beat the dense kernel (`quant_max_rows`)
+@pytest.mark.parametrize("dtype,int8_x", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch, dtype, int8_x):
     layer = MergedColumnParallelLinear(256, [32, 32], bias=False)
+    layer.weight.data = layer.weight.data.to(dtype)
     for shard in (0, 1):
         layer.weight_loader(layer.weight, gguf_weight("Q8_0", 32, 256, shard), shard)
-    layer.process_weights_after_loading("auto")
-    calls = []
-    kernel = layer.quant_kernel
-    monkeypatch.setattr(layer, "quant_kernel", lambda x: calls.append(x.shape[0]) or kernel(x))
-    layer.matmul(torch.randn(QUANT_MAX_ROWS, 256))
-    layer.matmul(torch.randn(QUANT_MAX_ROWS + 1, 256))
-    assert calls == [QUANT_MAX_ROWS]
+    dense_bf16 = can_pack(layer.weight.data) and dtype == torch.bfloat16
+    layer.process_weights_after_loading("auto", int8_x=int8_x)
+    int8_path = not ops.quant_linear_isa().startswith("float,") and (int8_x or dtype != torch.float32)
+    # exact float32 rows, and int8 rows against oneDNN's bfloat16, stop at 4; int8 rows against
+    # a float32 (or unpacked bfloat16) dense kernel at 64
+    limit = QUANT_MAX_ROWS_INT8 if int8_path and not dense_bf16 else QUANT_MAX_ROWS
+    assert layer.quant_kernel.max_rows == limit
+    kernel, calls = layer.quant_kernel, []
+
+    class Counted:
+        max_rows = kernel.max_rows
+
+        def __call__(self, x):
+            calls.append(x.shape[0])
+            return kernel(x)
+
+    monkeypatch.setattr(layer, "quant_kernel", Counted())
+    layer.matmul(torch.randn(limit, 256, dtype=dtype))
+    layer.matmul(torch.randn(limit + 1, 256, dtype=dtype))
+    assert calls == [limit]
 
 
 def test_dense_only_without_a_layout_or_with_the_torch_backend():

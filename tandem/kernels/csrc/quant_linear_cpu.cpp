@@ -22,8 +22,9 @@
 //   integer sums, by AVX-VNNI's VPDPBUSD or AVX2's VPMADDUBSW (the AVX2 section below; code
 //   of its own, so that the AVX-512 VNNI path's results stay bit-identical:
 //   tests/data/quant_linear_avx512_vnni.json).
-// Output rows (N) are split over PyTorch's OpenMP threads; a step reads each weight byte once
-// for up to four rows of x at a time. `quant_linear_isa()` names the paths of this build.
+// Output rows (N) are split over PyTorch's OpenMP threads; the int8 paths read each weight byte
+// from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
+// up to four rows at a time. `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +49,10 @@ using namespace tandem_cpu;
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 constexpr int kRowBlock = 4;  // rows of x sharing one read of a weight row
+// Weight rows whose blocks the int8 paths multiply by every row block of x before the next ones
+// (<= 32 x 1.5 KB: from L1/L2 after the first row block, instead of one stream from memory for
+// each); a multiple of the 16 (8) outputs whose lanes are summed together.
+constexpr int64_t kTileRows = 32;
 // Bytes ahead of the weight stream that the int8 paths ask for (software prefetch): with the
 // hardware prefetchers alone a core read the blocks at about half a plain read's rate.
 constexpr int64_t kPrefetch = 2048;
@@ -331,12 +336,15 @@ void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scal
 template <int BITS, int GROUP, typename T, typename S>
 void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
-    switch (std::min<int64_t>(kRowBlock, R - r0)) {
-      case 1: vnni_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 2: vnni_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 3: vnni_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      default: vnni_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {  // a tile's weights stay in cache for every row block
+    const int64_t t1 = std::min(n1, t0 + kTileRows);
+    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+      switch (std::min<int64_t>(kRowBlock, R - r0)) {
+        case 1: vnni_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 2: vnni_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 3: vnni_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        default: vnni_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+      }
     }
   }
 }
@@ -489,67 +497,120 @@ inline void avx2_operands(__m256i w, __m256i& a, __m256i& b) {
   }
 }
 
-inline float avx2_sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// The sums of 8 vectors' lanes: out[j] = sum of v[j]'s 8 lanes (one transpose-and-add instead
+// of a horizontal sum per vector).
+inline __m256 avx2_lane_sums8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
 inline __m256 avx2_load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 avx2_load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// sum_g mn[g] * gsum[g]
-template <typename S>
-inline float avx2_offsets(const S* mn, const float* gsum, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(avx2_load8(mn + g), _mm256_loadu_ps(gsum + g), acc);
-  float sum = avx2_sum8(acc);
-  for (; g < G; ++g) sum += to_float(mn[g]) * gsum[g];
-  return sum;
+inline __m256 avx2_load8_masked(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
+inline __m256 avx2_load8_masked(const c10::Half* p, int count) {
+  alignas(16) uint16_t h[8] = {};
+  for (int i = 0; i < count; ++i) std::memcpy(h + i, p + i, 2);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
-// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n].
+// The scales of chunk i's groups over its 8 lanes (4-bit: groups 2i, 2i + 1, four lanes each).
+template <int BITS, int GROUPS_PER_CHUNK>
+inline __m256 avx2_chunk_scales(const float* sn, int64_t i, bool partial) {
+  if constexpr (GROUPS_PER_CHUNK == 1) {
+    return _mm256_set1_ps(sn[i]);
+  } else {
+    const __m128 pair = partial ? _mm_set_ss(sn[2 * i]) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sn + 2 * i)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+}
+template <int BITS, int GROUPS_PER_CHUNK>
+inline __m256 avx2_chunk_scales(const c10::Half* sn, int64_t i, bool partial) {
+  if constexpr (GROUPS_PER_CHUNK == 1) {
+    return _mm256_set1_ps(to_float(sn[i]));
+  } else {
+    uint16_t one = 0;
+    int32_t two = 0;
+    if (partial) {  // constant sizes: a memcpy of a variable size is a call
+      std::memcpy(&one, sn + 2 * i, 2);
+      two = one;
+    } else {
+      std::memcpy(&two, sn + 2 * i, 4);
+    }
+    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+}
+
+// Weight row n times x rows r0 .. r0 + NR - 1: out[r] gets 8 lane partial sums of y[r0 + r, n],
+// the mn offsets (sum_g mn[n, g] * gsum[r0 + r, g]) added into the same lanes; the caller sums
+// the lanes.
+template <int BITS, int GROUP, int NR, typename S>
+__attribute__((always_inline)) inline void avx2_row(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale,
+                                                    const S* mn, int64_t row_bytes, int64_t n, __m256* out) {
+  // Groups per chunk: 2 (4-bit; 8-bit group 16: 4 lanes each) or 1 (8-bit group 32: 8 lanes).
+  constexpr int kGroupsPerChunk = BITS == 4 ? 2 : kAvx2Chunk / GROUP;
+  const int64_t G = X.G, lanes = X.stride / 4;
+  const int64_t chunks = (row_bytes + kAvx2Chunk - 1) / kAvx2Chunk;
+  const bool half_tail = row_bytes % kAvx2Chunk != 0;  // rows are whole 16-byte groups: 16 bytes left
+  const uint8_t* qn = q + n * row_bytes;
+  const S* sn = scale + n * G;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  _mm_prefetch(reinterpret_cast<const char*>(sn) + kPrefetch / 8, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mn + n * G) + kPrefetch / 8, _MM_HINT_T0);
+  for (int64_t i = 0; i < chunks; ++i) {
+    const bool partial = half_tail && i == chunks - 1;
+    if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + kAvx2Chunk * i + kPrefetch), _MM_HINT_T0);
+    const __m256i w = partial ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + kAvx2Chunk * i)))
+                              : avx2_load(qn + kAvx2Chunk * i);
+    __m256i a, b;
+    avx2_operands<BITS>(w, a, b);
+    const __m256 ws = avx2_chunk_scales<BITS, kGroupsPerChunk>(sn, i, partial);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = r0 + r, at = row * X.stride + kAvx2Chunk * i, lane = row * lanes + 8 * i;
+      const __m256i s = avx2_dot<BITS>(a, b, X.lo.data() + at, BITS == 4 ? X.hi.data() + at : nullptr,
+                                       kAvx2LaneSums && BITS == 8 ? X.lane_sum.data() + lane : nullptr);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, _mm256_loadu_ps(X.d.data() + lane)), acc[r]);
+    }
+  }
+  const S* mnn = mn + n * G;
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    const __m256 m = avx2_load8(mnn + g);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(X.gsum.data() + (r0 + r) * G + g), acc[r]);
+  }
+  if (g < G) {
+    const int left = static_cast<int>(G - g);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 m;
+    if constexpr (std::is_same_v<S, float>) {
+      m = avx2_load8_masked(mnn + g, mask);
+    } else {
+      m = avx2_load8_masked(mnn + g, left);
+    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm256_fmadd_ps(m, _mm256_maskload_ps(X.gsum.data() + (r0 + r) * G + g, mask), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+// Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n], the lanes of 8
+// weight rows at a time summed by one transpose-and-add (avx2_lane_sums8).
 template <int BITS, int GROUP, int NR, typename T, typename S>
 void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                 T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  // Groups per chunk: 2 (4-bit; 8-bit group 16: 4 lanes each) or 1 (8-bit group 32: 8 lanes).
-  constexpr int kGroupsPerChunk = BITS == 4 ? 2 : kAvx2Chunk / GROUP;
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, G = X.G, lanes = X.stride / 4;
-  const int64_t chunks = (row_bytes + kAvx2Chunk - 1) / kAvx2Chunk;
-  const bool half_tail = row_bytes % kAvx2Chunk != 0;  // rows are whole 16-byte groups: 16 bytes left
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * row_bytes;
-    const S* sn = scale + n * G;
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    _mm_prefetch(reinterpret_cast<const char*>(sn) + kPrefetch / 8, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn + n * G) + kPrefetch / 8, _MM_HINT_T0);
-    for (int64_t i = 0; i < chunks; ++i) {
-      const bool partial = half_tail && i == chunks - 1;
-      if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(qn + kAvx2Chunk * i + kPrefetch), _MM_HINT_T0);
-      const __m256i w = partial ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + kAvx2Chunk * i)))
-                                : avx2_load(qn + kAvx2Chunk * i);
-      __m256i a, b;
-      avx2_operands<BITS>(w, a, b);
-      __m256 ws;
-      if constexpr (kGroupsPerChunk == 1) {
-        ws = _mm256_set1_ps(to_float(sn[i]));
-      } else {
-        const float s0 = to_float(sn[2 * i]), s1 = partial ? 0.f : to_float(sn[2 * i + 1]);
-        ws = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) {
-        const int64_t row = r0 + r, at = row * X.stride + kAvx2Chunk * i, lane = row * lanes + 8 * i;
-        const __m256i s = avx2_dot<BITS>(a, b, X.lo.data() + at, BITS == 4 ? X.hi.data() + at : nullptr,
-                                         kAvx2LaneSums && BITS == 8 ? X.lane_sum.data() + lane : nullptr);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, _mm256_loadu_ps(X.d.data() + lane)), acc[r]);
-      }
-    }
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int rows = static_cast<int>(std::min<int64_t>(8, n1 - n));
+    __m256 lanes[8][NR], by_row[8];
+    for (int j = 0; j < rows; ++j) avx2_row<BITS, GROUP, NR, S>(X, r0, q, scale, mn, row_bytes, n + j, lanes[j]);
     for (int r = 0; r < NR; ++r) {
-      const float off = avx2_offsets(mn + n * G, X.gsum.data() + (r0 + r) * G, G);
-      y[(r0 + r) * N + n] = static_cast<T>(avx2_sum8(acc[r]) + off + (bias ? bias[n] : 0.f));
+      for (int j = 0; j < 8; ++j) by_row[j] = j < rows ? lanes[j][r] : _mm256_setzero_ps();
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, avx2_lane_sums8(by_row));
+      for (int j = 0; j < rows; ++j) y[(r0 + r) * N + n + j] = static_cast<T>(sums[j] + (bias ? bias[n + j] : 0.f));
     }
   }
 }
@@ -557,12 +618,15 @@ void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, co
 template <int BITS, int GROUP, typename T, typename S>
 void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
-    switch (std::min<int64_t>(kRowBlock, R - r0)) {
-      case 1: avx2_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 2: avx2_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      case 3: avx2_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
-      default: avx2_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, n0, n1); break;
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {  // a tile's weights stay in cache for every row block
+    const int64_t t1 = std::min(n1, t0 + kTileRows);
+    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+      switch (std::min<int64_t>(kRowBlock, R - r0)) {
+        case 1: avx2_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 2: avx2_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 3: avx2_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        default: avx2_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+      }
     }
   }
 }

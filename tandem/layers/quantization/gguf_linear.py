@@ -5,7 +5,7 @@ which file tensor each of its rows came from (`BlockPart`: a fused QKV or gate-u
 has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
 `QuantLinearKernel.build` repacks those parts' blocks into one of Tandem's layouts
 (`gguf_repack`, exact for every supported type; scales in float16 where that is exact)
-and the layer multiplies inputs of at most `QUANT_MAX_ROWS` rows (decode steps) with the
+and the layer multiplies inputs of few rows (decode steps; `quant_max_rows`) with the
 C++ kernel `tandem_cpu.quant_linear`,
 reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
 the dense kernel, which is faster there. The kernel rounds the rows to int8 (llama.cpp's
@@ -36,12 +36,27 @@ import numpy as np
 import torch
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.linear_kernel import can_pack
 from tandem.layers.quantization.gguf_repack import Packed, concat_rows, repack, slice_cols, widen
 
-# Inputs of up to this many rows run on the quantized weights. Measured on 2 EPYC cores,
-# 40 distinct 3072 x 576 Q4 weights (out of cache), bf16 rows, per matmul: 1 row 0.12 ms
-# against oneDNN's bf16 0.33, 2 rows 0.15 / 0.31, 4 rows 0.22 / 0.28, 8 rows 0.36 / 0.24.
+# Inputs of up to this many rows run on the quantized weights where the dense kernel is
+# oneDNN's bfloat16 (a CPU with AVX-512): measured on 2 EPYC cores (AVX-512 VNNI/BF16), 40
+# distinct 3072 x 576 Q4 weights (out of cache), bf16 rows, per matmul: 1 row 0.12 ms against
+# oneDNN's bf16 0.33, 2 rows 0.15 / 0.31, 4 rows 0.22 / 0.28, 8 rows 0.36 / 0.24. Also the
+# limit of the exact float32 path.
 QUANT_MAX_ROWS = 4
+# ... and where int8 rows meet a slower dense kernel (float32, or bfloat16 that oneDNN packs
+# not): measured on 2 Zen 3 cores (AVX2, no AVX-512), 24 distinct Q4_1 weights from memory,
+# float32 rows against oneDNN's float32, time of quant / dense: 3072 x 576 at 8 rows 0.39,
+# 16 0.54, 32 0.81, 64 0.89, 128 0.95, 256 1.11; 576 x 1536 at 64 0.75, 256 0.99.
+QUANT_MAX_ROWS_INT8 = 64
+
+
+def quant_max_rows(weight: torch.Tensor, int8_x: bool, ops) -> int:
+    """Rows up to which a layer with dense `weight` multiplies the quantized blocks instead."""
+    int8_rows = (int8_x or weight.dtype != torch.float32) and not ops.quant_linear_isa().startswith("float,")
+    onednn_bf16 = weight.dtype == torch.bfloat16 and can_pack(weight)
+    return QUANT_MAX_ROWS_INT8 if int8_rows and not onednn_bf16 else QUANT_MAX_ROWS
 
 
 def is_gguf_tensor(loaded: Any) -> bool:
@@ -111,8 +126,9 @@ class QuantLinearKernel:
     (llama.cpp's recipe), float32 rows too where `int8_x`; float32 rows without it are
     multiplied exactly (dequantize-then-matmul up to the summation order)."""
 
-    def __init__(self, packed: Packed, bias: torch.Tensor | None, ops, int8_x: bool):
+    def __init__(self, packed: Packed, bias: torch.Tensor | None, ops, int8_x: bool, max_rows: int):
         self.bits, self.group, self.ops, self.int8_x = packed.bits, packed.group, ops, int8_x
+        self.max_rows = max_rows  # inputs of more rows take the dense kernel (`quant_max_rows`)
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
@@ -142,7 +158,8 @@ class QuantLinearKernel:
         if len({(p.bits, p.group) for p in packs}) > 1:
             group = min(p.group for p in packs)
             packs = [widen(p, group) for p in packs]
-        return cls(concat_rows(packs) if len(packs) > 1 else packs[0], bias, ops, int8_x)
+        packed = concat_rows(packs) if len(packs) > 1 else packs[0]
+        return cls(packed, bias, ops, int8_x, quant_max_rows(weight, int8_x, ops))
 
     @classmethod
     def from_packed(
@@ -153,7 +170,7 @@ class QuantLinearKernel:
         ops = cpu_kernels.load()
         if ops is None or weight.device.type != "cpu":
             return None
-        return cls(packed, bias, ops, int8_x)
+        return cls(packed, bias, ops, int8_x, quant_max_rows(weight, int8_x, ops))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # a decode step's [rows, in]: no reshapes (a few us on each of ~120 calls a step)
