@@ -106,14 +106,14 @@ def check_extreme_bytes(kernel, isa: str) -> None:
             torch.tensor([1.0, 1.0, -1.0, -1.0] * (cols // 4)),
         ]
     )
-    for group in (16, 32):
+    for group, reps, dtype in itertools.product((16, 32), (1, 3), (torch.bfloat16, torch.float16)):
         scale = torch.full((rows, cols // group), 0.5)
         mn = torch.full((rows, cols // group), -64.0)
         weight = levels.double() * 0.5 - 64.0
-        for dtype in (torch.bfloat16, torch.float16):
-            got = kernel(x.to(dtype), levels, scale, mn, 8, group).double()
-            ref = half_rows_reference(x.to(dtype), isa) @ weight.T
-            torch.testing.assert_close(got, ref, atol=1e-3, rtol=2**-8)
+        xr = x.repeat(reps, 1).to(dtype)  # 12 rows: the many-rows path (weight tiles) too
+        got = kernel(xr, levels, scale, mn, 8, group).double()
+        ref = half_rows_reference(xr, isa) @ weight.T
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=2**-8)
 
 
 DIGEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,15 +122,16 @@ DIGEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def output_digests(kernel) -> dict[str, str]:
     """Per tensor type and dtype of x, a SHA-256 (16 hex digits) of `kernel`'s outputs in order
     over fixed blocks and rows: out features 576, 1536, 4096 by in features 576 (768 for the
-    K-quants, whose blocks are 256 wide) and 1536, each times 1, 2, 4, 8 and 16 rows of x
-    (the shapes of the default model's layers; 8 and 16 rows are two and four row blocks).
+    K-quants, whose blocks are 256 wide) and 1536, each times 1, 2, 4, 8, 16 and 33 rows of x
+    (the shapes of the default model's layers; from 8 rows on the many-rows path: 33 rows are
+    four row blocks and one row).
     Equal digests: bit-identical outputs."""
     hashes = {(name, str(dt)): hashlib.sha256() for name in TYPES for dt in DIGEST_DTYPES}
     for name, out_features, in_cols in itertools.product(TYPES, (576, 1536, 4096), (576, 1536)):
         k = 768 if name.endswith("_K") and in_cols == 576 else in_cols
         packed = repack(blocks(name, out_features, k), QT[name], (out_features, k))
         arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]
-        for rows in (1, 2, 4, 8, 16):
+        for rows in (1, 2, 4, 8, 16, 33):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * 7919 + k))
             for dt in DIGEST_DTYPES:
                 y = kernel(x.to(dt), *arrays, packed.bits, packed.group)

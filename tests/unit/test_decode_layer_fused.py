@@ -1,11 +1,11 @@
-"""A decode step whose layers run as one C++ call (`tandem_cpu.decode_layers`, where every
-linear of every layer is quantized), or as one C++ call each (`tandem_cpu.decode_layer`),
-equals the same step through the Python layer op by op: the same tokens and bit-identical
-logits, in float32 and bfloat16, for a Llama and a Qwen2 (QKV bias) GGUF model, batches of 1
-and 3, on one thread and on two (where the layers run in one OpenMP region, each kernel's work
-shared by the threads); batches above QUANT_MAX_ROWS and layers with an unquantized linear take
-the Python layer (a model with one such layer runs its other layers one call each); an error
-inside the region reaches the caller as an exception."""
+"""A decode step whose layers run as one C++ call (`tandem_cpu.decode_layers`, where every linear
+of every layer is quantized), or as one C++ call each (`tandem_cpu.decode_layer`), equals the
+same step through the Python layer op by op: the same tokens and bit-identical logits, in
+float32 and bfloat16, for a Llama and a Qwen2 (QKV bias) GGUF model, batches of 1 and 3 (and 9
+where the rows are int8), on one thread and on two (where the layers run in one OpenMP region,
+each kernel's work shared by the threads); batches above QUANT_MAX_ROWS and layers with an
+unquantized linear take the Python layer (a model with one such layer runs its other layers one
+call each); an error inside the region reaches the caller as an exception."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="Tandem's C++
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70))]
 # one request of 2 KV heads on 2 threads, 140 keys: the attention splits each head's keys in parts
 LONG = [[1 + (7 * i) % 90 for i in range(140)]]
+# nine requests: from 8 rows the AVX-512 VNNI build multiplies by transposed weight tiles
+MANY = [[1 + (3 * i + j) % 90 for j in range(5 + i)] for i in range(9)]
 STEPS = 6
 
 
@@ -93,7 +95,7 @@ def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, th
     # only float32 asked for by name keeps the quantized matmuls exact
     assert layers[0].self_attn.qkv_proj.quant_kernel.int8_x == (dtype != "float32")
     assert runner.model.model._fused_stack() is not None
-    for prompts in (PROMPTS[:1], PROMPTS, LONG):
+    for prompts in (PROMPTS[:1], PROMPTS, LONG) + ((MANY,) if dtype != "float32" else ()):
         (ids, logits), stack_calls = run(runner, prompts, "stack")
         (layer_ids, layer_logits), layer_calls = run(runner, prompts, "layers")
         (ref_ids, ref_logits), none = run(runner, prompts, "python")

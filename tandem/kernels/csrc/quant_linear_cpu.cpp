@@ -24,7 +24,8 @@
 //   tests/data/quant_linear_avx512_vnni.json).
 // Output rows (N) are split over PyTorch's OpenMP threads; the int8 paths read each weight byte
 // from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
-// up to four rows at a time. `quant_linear_isa()` names the paths of this build.
+// up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
+// tile of weight rows once so that every int32 lane is one output (gemm_rows, below). `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -190,6 +191,36 @@ struct QuantizedX {
   std::vector<float> d, gsum;
 };
 
+// One row of x (K columns) rounded to int8 per block of 32 columns: d[b] = max|x| / 127 and
+// qx = round(x * (1 / d)) to nearest even, saturated (qx past K left as it is: zero).
+template <typename T>
+inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock) {
+  for (int64_t b = 0; 32 * b < K; ++b) {
+    const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
+    __m512 v[2];
+    for (int p = 0; p < 2; ++p) {
+      const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
+      std::memcpy(&v[p], &f, sizeof(f));
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    for (int p = 0; p < parts; ++p) {
+      const __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[p], _mm512_set1_ps(id))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + 32 * b + 16 * p), q8);
+    }
+    dblock[b] = d;
+  }
+}
+
+// gsum[g] = d * sum(qx) over each weight group g of one rounded row.
+inline void group_sums(const int8_t* qx, const float* dblock, int64_t G, int64_t group, float* gsum) {
+  for (int64_t g = 0; g < G; ++g) {
+    int sum = 0;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+    gsum[g] = dblock[g * group / 32] * static_cast<float>(sum);
+  }
+}
+
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t bits, int64_t group) {
   QuantizedX X;
@@ -204,29 +235,10 @@ QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t 
   std::vector<int8_t> qx(cols_pad);
   std::vector<float> dblock(cols_pad / 32);
   for (int64_t r = 0; r < R; ++r) {
-    const T* row = x + r * stride;
     std::fill(qx.begin(), qx.end(), 0);
     std::fill(dblock.begin(), dblock.end(), 0.f);
-    for (int64_t b = 0; 32 * b < K; ++b) {
-      const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
-      __m512 v[2];
-      for (int p = 0; p < 2; ++p) {
-        const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
-        std::memcpy(&v[p], &f, sizeof(f));
-      }
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      for (int p = 0; p < parts; ++p) {
-        const __m128i q8 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[p], _mm512_set1_ps(id))));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx.data() + 32 * b + 16 * p), q8);
-      }
-      dblock[b] = d;
-    }
-    for (int64_t g = 0; g < X.G; ++g) {
-      int sum = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-      X.gsum[r * X.G + g] = dblock[g * group / 32] * static_cast<float>(sum);
-    }
+    quantize_row(x + r * stride, K, qx.data(), dblock.data());
+    group_sums(qx.data(), dblock.data(), X.G, group, X.gsum.data() + r * X.G);
     for (int64_t i = 0; i < X.chunks; ++i) {
       int8_t* lo = X.lo.data() + (r * X.chunks + i) * kChunk;
       float* d = X.d.data() + (r * X.chunks + i) * 16;
@@ -344,6 +356,203 @@ void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale,
         case 2: vnni_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
         case 3: vnni_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
         default: vnni_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+      }
+    }
+  }
+}
+
+// ---- Many rows: weight tiles transposed so that each int32 lane is one output ----------------
+// From kGemmRows rows of x on, a thread takes 32 weight rows at a time (a tile: two vectors of
+// 16 outputs) and transposes their bytes once (gemm_tile): per group g and 4 columns v, one
+// vector per 16 rows whose lane j holds the 4 weight bytes of row n + j that meet x's columns
+// GROUP * g + 4v .. + 3 (the 4-bit layout's nibbles unpacked to bytes). Then one broadcast
+// dword of a row of x meets both vectors in VPDPBUSD, adding to the sums of 32 outputs: a
+// group's int32 sums are scaled per lane (the weight scales of those rows, times the row's x
+// scale) and the mn offsets added, with no horizontal sums, and kGemmBlock rows of x share each
+// weight vector loaded from the tile. The products and the integer sums per group are those of
+// vnni_rows; only the float additions come in another order.
+constexpr int64_t kGemmRows = 8;
+constexpr int kGemmBlock = 4;
+constexpr int kTileOut = 32;  // weight rows per tile
+constexpr int kSubs = kTileOut / 16;
+
+// Rows of x rounded to int8 as quantize_x rounds them, kept in column order: qx[r * stride + k],
+// d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g.
+struct RowsX {
+  int64_t stride = 0, blocks = 0, G = 0;
+  std::vector<int8_t> qx;
+  std::vector<float> d, gsum;
+};
+
+template <typename T>
+RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t group) {
+  RowsX X;
+  X.blocks = (K + 31) / 32;
+  X.stride = 32 * X.blocks;
+  X.G = K / group;
+  X.qx.assign(R * X.stride, 0);
+  X.d.assign(R * X.blocks, 0.f);
+  X.gsum.assign(R * X.G, 0.f);
+  for (int64_t r = 0; r < R; ++r) {
+    int8_t* qx = X.qx.data() + r * X.stride;
+    float* d = X.d.data() + r * X.blocks;
+    quantize_row(x + r * stride, K, qx, d);
+    group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
+  }
+  return X;
+}
+
+// Weight rows [n, n + rows) (rows <= kTileOut; the lanes past them zero) transposed: vector
+// w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
+// their scales and offsets as floats: ws[kTileOut * g + i], wmn[kTileOut * g + i] of row n + i
+// (ws holds kTileOut * G floats more: scratch).
+template <int BITS, int GROUP, typename S>
+void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
+               __m512i* w, float* ws, float* wmn) {
+  constexpr int64_t kGroupBytes = BITS == 4 ? GROUP / 2 : GROUP;
+  constexpr int kVectors = GROUP / 4;
+  static const uint8_t zeros[32] = {};
+  const uint8_t* base[kTileOut];
+  int64_t step[kTileOut];
+  for (int j = 0; j < kTileOut; ++j) {
+    base[j] = j < rows ? q + (n + j) * row_bytes : zeros;
+    step[j] = j < rows ? kGroupBytes : 0;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int sub = 0; sub < kSubs; ++sub) {
+      const uint8_t* const* rb = base + 16 * sub;
+      const int64_t* rs = step + 16 * sub;
+      for (int h = 0; h < (kGroupBytes + 15) / 16; ++h) {  // 16 bytes of each row at a time
+        __m512i a[4];  // a[k], 128-bit lane l: the bytes of row 4l + k
+        for (int k = 0; k < 4; ++k) {
+          __m512i v = _mm512_setzero_si512();
+          for (int l = 0; l < 4; ++l) {
+            const uint8_t* p = rb[4 * l + k] + g * rs[4 * l + k] + 16 * h;
+            v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), l);
+          }
+          a[k] = v;
+        }
+        // 4 x 4 dword transposes within the lanes: b[m] lane 4l + k = dword m of row 4l + k
+        const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+        const __m512i b[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                              _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+        __m512i* out = w + g * kVectors * kSubs + sub;
+        for (int m = 0; m < 4; ++m) {
+          if constexpr (BITS == 4) {  // dword m: columns 32g + 4m .. (low nibbles), 32g + 16 + 4m .. (high)
+            _mm512_store_si512(out + m * kSubs, _mm512_and_si512(b[m], low4));
+            _mm512_store_si512(out + (4 + m) * kSubs, _mm512_and_si512(_mm512_srli_epi16(b[m], 4), low4));
+          } else {  // columns GROUP * g + 16h + 4m ..
+            _mm512_store_si512(out + (4 * h + m) * kSubs, b[m]);
+          }
+        }
+      }
+    }
+  }
+  // scales and offsets: each row's widened to float (rows past `rows` zero), then gathered per group
+  float* flat = ws + kTileOut * G;  // the caller's scratch past ws: kTileOut * G floats per array
+  for (int a = 0; a < 2; ++a) {
+    const S* src = a == 0 ? scale : mn;
+    float* dst = a == 0 ? ws : wmn;
+    for (int j = 0; j < kTileOut; ++j)
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 m = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+        const __m512 v = j < rows ? load16_masked(src + (n + j) * G + g, m) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(flat + j * G + g, m, v);
+      }
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(G)));
+    for (int64_t g = 0; g < G; ++g)
+      for (int sub = 0; sub < kSubs; ++sub) {
+        const __m512i idx = _mm512_add_epi32(rows16, _mm512_set1_epi32(static_cast<int>(16 * sub * G + g)));
+        _mm512_storeu_ps(dst + kTileOut * g + 16 * sub, _mm512_i32gather_ps(idx, flat, 4));
+      }
+  }
+}
+
+// Rows [r0, r0 + NR) of x times the tile (weight rows [n, n + rows)): y[r * N + n + i].
+template <int GROUP, int NR, typename T>
+void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, const float* wmn, const float* bias,
+                T* y, int64_t N, int64_t n, int rows) {
+  constexpr int kVectors = GROUP / 4;
+  const int64_t G = X.G;
+  __m512 acc[NR][kSubs];
+  for (int r = 0; r < NR; ++r)
+    for (int s = 0; s < kSubs; ++s) acc[r][s] = _mm512_setzero_ps();
+  const int8_t* qx = X.qx.data() + r0 * X.stride;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i isum[NR][kSubs];
+    for (int r = 0; r < NR; ++r)
+      for (int s = 0; s < kSubs; ++s) isum[r][s] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int v = 0; v < kVectors; ++v) {
+      __m512i wv[kSubs];
+      for (int s = 0; s < kSubs; ++s) wv[s] = _mm512_load_si512(w + (g * kVectors + v) * kSubs + s);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, qx + r * X.stride + GROUP * g + 4 * v, 4);
+        const __m512i xb = _mm512_set1_epi32(xv);
+        for (int s = 0; s < kSubs; ++s) isum[r][s] = _mm512_dpbusd_epi32(isum[r][s], wv[s], xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
+      const __m512 gs = _mm512_set1_ps(X.gsum[(r0 + r) * G + g]);
+      for (int s = 0; s < kSubs; ++s) {
+        const __m512 sc = _mm512_loadu_ps(ws + kTileOut * g + 16 * s), m = _mm512_loadu_ps(wmn + kTileOut * g + 16 * s);
+        acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][s]), _mm512_mul_ps(sc, dx), acc[r][s]);
+        acc[r][s] = _mm512_fmadd_ps(m, gs, acc[r][s]);
+      }
+    }
+  }
+  for (int s = 0; s < kSubs; ++s) {
+    const int count = std::max(0, std::min(16, rows - 16 * s));
+    if (count == 0) break;
+    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * s) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) {
+      vec16 sums;
+      const __m512 v = _mm512_add_ps(acc[r][s], b);
+      std::memcpy(&sums, &v, sizeof(v));
+      T out[16];
+      store16(out, sums);
+      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
+    }
+  }
+}
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// Every row of x times weight rows [kTileOut * t0, min(N, kTileOut * t1)): one tile at a time,
+// each tile multiplied by every row block of x.
+template <int BITS, int GROUP, typename T, typename S>
+void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias, T* y,
+               int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
+  std::vector<__m512i> w(G * (GROUP / 4) * kSubs);
+  std::vector<float> ws(2 * kTileOut * G), wmn(kTileOut * G);  // ws: and gemm_tile's scratch
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n = kTileOut * t;
+    const int rows = static_cast<int>(std::min<int64_t>(kTileOut, N - n));
+    if (t + 1 < t1) {  // the next tile's bytes, scales and offsets, asked for while this one computes
+      const int64_t next = n + kTileOut, next_rows = std::min<int64_t>(kTileOut, N - next);
+      prefetch_bytes(q + next * row_bytes, next_rows * row_bytes);
+      prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+      prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+    }
+    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data());
+    for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
+      switch (std::min<int64_t>(kGemmBlock, R - r0)) {
+        case 1: gemm_block<GROUP, 1, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
+        case 2: gemm_block<GROUP, 2, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
+        case 3: gemm_block<GROUP, 3, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
+        default: gemm_block<GROUP, 4, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
       }
     }
   }
@@ -654,6 +863,21 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
 #ifdef TANDEM_QUANT_VNNI
   if (!std::is_same_v<T, float> || int8_x) {
+    if (R >= kGemmRows) {
+      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
+      const int64_t tiles = (N + kTileOut - 1) / kTileOut;
+      const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileOut * R));
+      share.run(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
+        if (bits == 4) {
+          gemm_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+        } else if (group == 32) {
+          gemm_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+        } else {
+          gemm_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+        }
+      });
+      return;
+    }
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
       if (bits == 4) {

@@ -39,24 +39,29 @@ from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear_kernel import can_pack
 from tandem.layers.quantization.gguf_repack import Packed, concat_rows, repack, slice_cols, widen
 
-# Inputs of up to this many rows run on the quantized weights where the dense kernel is
-# oneDNN's bfloat16 (a CPU with AVX-512): measured on 2 EPYC cores (AVX-512 VNNI/BF16), 40
-# distinct 3072 x 576 Q4 weights (out of cache), bf16 rows, per matmul: 1 row 0.12 ms against
-# oneDNN's bf16 0.33, 2 rows 0.15 / 0.31, 4 rows 0.22 / 0.28, 8 rows 0.36 / 0.24. Also the
-# limit of the exact float32 path.
+# Inputs of up to this many rows run on the quantized weights on the exact float32 path (no
+# int8 rows), and where int8 rows meet oneDNN's bfloat16 on a build without AVX-512 VNNI:
+# measured on 2 EPYC cores (AVX-512 VNNI/BF16), 40 distinct 3072 x 576 Q4 weights (out of
+# cache), bf16 rows, per matmul: 1 row 0.12 ms against oneDNN's bf16 0.33, 2 rows 0.15 / 0.31,
+# 4 rows 0.22 / 0.28, 8 rows 0.36 / 0.24 (the one-weight-row-at-a-time kernel).
 QUANT_MAX_ROWS = 4
 # ... and where int8 rows meet a slower dense kernel (float32, or bfloat16 that oneDNN packs
 # not): measured on 2 Zen 3 cores (AVX2, no AVX-512), 24 distinct Q4_1 weights from memory,
 # float32 rows against oneDNN's float32, time of quant / dense: 3072 x 576 at 8 rows 0.39,
-# 16 0.54, 32 0.81, 64 0.89, 128 0.95, 256 1.11; 576 x 1536 at 64 0.75, 256 0.99.
+# 16 0.54, 32 0.81, 64 0.89, 128 0.95, 256 1.11; 576 x 1536 at 64 0.75, 256 0.99. Also where the
+# AVX-512 VNNI build multiplies 8 rows and more by transposed weight tiles: the decode step of
+# the default model (Q4_1, bf16, 2 Zen 5 cores) at 64 rows against 4, alternated in one process:
+# batch 8 0.85 of the time, 16 0.93, 32 0.94, 64 0.95 (Q4_0: 16 0.91, 64 0.99).
 QUANT_MAX_ROWS_INT8 = 64
 
 
 def quant_max_rows(weight: torch.Tensor, int8_x: bool, ops) -> int:
     """Rows up to which a layer with dense `weight` multiplies the quantized blocks instead."""
-    int8_rows = (int8_x or weight.dtype != torch.float32) and not ops.quant_linear_isa().startswith("float,")
+    isa = ops.quant_linear_isa()
+    int8_rows = (int8_x or weight.dtype != torch.float32) and not isa.startswith("float,")
     onednn_bf16 = weight.dtype == torch.bfloat16 and can_pack(weight)
-    return QUANT_MAX_ROWS_INT8 if int8_rows and not onednn_bf16 else QUANT_MAX_ROWS
+    many_rows = isa.startswith("avx512_vnni") or not onednn_bf16
+    return QUANT_MAX_ROWS_INT8 if int8_rows and many_rows else QUANT_MAX_ROWS
 
 
 def is_gguf_tensor(loaded: Any) -> bool:
