@@ -45,6 +45,45 @@ struct DecodeTask {
   float scale;
   float softcap;  // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping)
 
+  // acc[i * nc + c] = sum over keys t (in order) of p[i][t] * v[t]: with G > 0 (G * C <= 16
+  // vectors: the group of one KV head in registers) one KV head at a time, else all at once
+  // from memory. The same sums in the same order either way.
+  template <int G>
+  void weigh_values(const T* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
+                    int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {
+    const int64_t nc = C > 0 ? C : chunks, queries = kv_count * group;
+    if constexpr (G > 0 && C > 0) {
+      for (int64_t h = 0; h < kv_count; ++h) {
+        vec16 a[G][C] = {};
+        const float* p = scores + h * G * max_len;
+        for (int64_t t = 0; t < len; ++t) {
+          if (h == 0 && t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
+          const T* vrow = v + slots[t] * v_stride_s + h * stride_h;
+          vec16 vc[C];
+          for (int c = 0; c < C; ++c) vc[c] = load16(vrow + c * 16);
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) a[g][c] += p[g * max_len + t] * vc[c];
+        }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) acc[(h * G + g) * nc + c] = a[g][c];
+      }
+      return;
+    }
+    for (int64_t i = 0; i < queries * nc; ++i) acc[i] = vec16{};
+    for (int64_t t = 0; t < len; ++t) {
+      if (t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
+      for (int64_t h = 0; h < kv_count; ++h) {
+        const T* vrow = v + slots[t] * v_stride_s + h * stride_h;
+        vec16 vc[C > 0 ? C : 16];
+        for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow + c * 16);
+        for (int64_t i = h * group; i < (h + 1) * group; ++i) {
+          const float p = scores[i * max_len + t];
+          for (int64_t c = 0; c < nc; ++c) acc[i * nc + c] += p * vc[c];
+        }
+      }
+    }
+  }
+
   // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors. With
   // `partial` (a part of the keys, merged by merge_parts): per query its weighted values before
   // the division (head_dim floats), then all queries' score peaks and exp sums, instead of out.
@@ -95,28 +134,25 @@ struct DecodeTask {
       }
       float peak = -INFINITY;
       for (int64_t t = 0; t < len; ++t) peak = si[t] > peak ? si[t] : peak;
+      int64_t t = 0;
+      for (; t + 16 <= len; t += 16) store16(si + t, exp_nonpositive16(load16(si + t) - peak));
+      for (; t < len; ++t) si[t] = exp_nonpositive(si[t] - peak);
       float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < len; ++t) {
-        si[t] = exp_nonpositive(si[t] - peak);
-        total += si[t];
-      }
+      for (t = 0; t < len; ++t) total += si[t];
       inv[i] = 1.f / total;
       peaks[i] = peak;
       totals[i] = total;
     }
-    for (int64_t i = 0; i < queries * nc; ++i) acc[i] = vec16{};
-    for (int64_t t = 0; t < len; ++t) {
-      if (t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
-      for (int64_t h = 0; h < kv_count; ++h) {
-        const T* vrow = v + slots[t] * v_stride_s + h * stride_h;
-        vec16 vc[C > 0 ? C : 16];
-        for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow + c * 16);
-        for (int64_t i = h * group; i < (h + 1) * group; ++i) {
-          const float p = scores[i * max_len + t];
-          for (int64_t c = 0; c < nc; ++c) acc[i * nc + c] += p * vc[c];
-        }
+    if constexpr (C > 0) {
+      switch (group * C <= 16 ? group : 0) {  // common GQA groups: a KV head's weighted values in registers
+        case 1: weigh_values<1>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
+        case 2: weigh_values<2>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
+        case 3: weigh_values<3>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
+        case 4: weigh_values<4>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
+        default: weigh_values<0>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
       }
+    } else {
+      weigh_values<0>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc);
     }
     if (partial != nullptr) {
       for (int64_t i = 0; i < queries; ++i)
