@@ -402,13 +402,18 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
   return X;
 }
 
-// Weight rows [n, n + rows) (rows <= kTileOut; the lanes past them zero) transposed: vector
+// Weight rows [n, n + rows) (rows <= kTileOut; the lanes past them zero) transposed (and the `ahead`
+// bytes after them prefetched): vector
 // w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
 // their scales and offsets as floats: ws[kTileOut * g + i], wmn[kTileOut * g + i] of row n + i
-// (ws holds kTileOut * G floats more: scratch).
+// (ws holds kTileOut * ceil16(G) floats more: scratch).
 template <int BITS, int GROUP, typename S>
 void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
-               __m512i* w, float* ws, float* wmn) {
+               __m512i* w, float* ws, float* wmn, int64_t ahead) {
+  // the next tile's bytes (`ahead` of them, right after this tile's), asked for a share per group:
+  // all at once overran the outstanding misses a core keeps
+  const char* next = reinterpret_cast<const char*>(q + (n + rows) * row_bytes);
+  const int64_t lines = (ahead + 63) / 64, per_group = (lines + G - 1) / std::max<int64_t>(G, 1);
   constexpr int64_t kGroupBytes = BITS == 4 ? GROUP / 2 : GROUP;
   constexpr int kVectors = GROUP / 4;
   static const uint8_t zeros[32] = {};
@@ -420,6 +425,7 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
   }
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
+    for (int64_t l = g * per_group; l < std::min(lines, (g + 1) * per_group); ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
     for (int sub = 0; sub < kSubs; ++sub) {
       const uint8_t* const* rb = base + 16 * sub;
       const int64_t* rs = step + 16 * sub;
@@ -450,23 +456,25 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
       }
     }
   }
-  // scales and offsets: each row's widened to float (rows past `rows` zero), then gathered per group
-  float* flat = ws + kTileOut * G;  // the caller's scratch past ws: kTileOut * G floats per array
+  // scales and offsets: each row's widened to float (rows past `rows` zero) into 16 x 16 blocks,
+  // transposed by shuffles (gathers were a quarter of a 16-row call's time)
+  const int64_t Gp = (G + 15) / 16 * 16;
+  float* flat = ws + kTileOut * G;  // the caller's scratch past ws: kTileOut * Gp floats
   for (int a = 0; a < 2; ++a) {
     const S* src = a == 0 ? scale : mn;
     float* dst = a == 0 ? ws : wmn;
     for (int j = 0; j < kTileOut; ++j)
-      for (int64_t g = 0; g < G; g += 16) {
+      for (int64_t g = 0; g < Gp; g += 16) {
         const __mmask16 m = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
         const __m512 v = j < rows ? load16_masked(src + (n + j) * G + g, m) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(flat + j * G + g, m, v);
+        _mm512_storeu_ps(flat + j * Gp + g, v);
       }
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(static_cast<int>(G)));
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t g0 = 0; g0 < Gp; g0 += 16)
       for (int sub = 0; sub < kSubs; ++sub) {
-        const __m512i idx = _mm512_add_epi32(rows16, _mm512_set1_epi32(static_cast<int>(16 * sub * G + g)));
-        _mm512_storeu_ps(dst + kTileOut * g + 16 * sub, _mm512_i32gather_ps(idx, flat, 4));
+        vec16 v[16];
+        for (int j = 0; j < 16; ++j) v[j] = load16(flat + (16 * sub + j) * Gp + g0);
+        transpose16(v);
+        for (int c = 0; c < 16 && g0 + c < G; ++c) store16(dst + kTileOut * (g0 + c) + 16 * sub, v[c]);
       }
   }
 }
@@ -536,17 +544,17 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
                int64_t K, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
   std::vector<__m512i> w(G * (GROUP / 4) * kSubs);
-  std::vector<float> ws(2 * kTileOut * G), wmn(kTileOut * G);  // ws: and gemm_tile's scratch
+  std::vector<float> ws(kTileOut * (G + (G + 15) / 16 * 16)), wmn(kTileOut * G);  // ws: and gemm_tile's scratch
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = kTileOut * t;
     const int rows = static_cast<int>(std::min<int64_t>(kTileOut, N - n));
-    if (t + 1 < t1) {  // the next tile's bytes, scales and offsets, asked for while this one computes
+    if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
       const int64_t next = n + kTileOut, next_rows = std::min<int64_t>(kTileOut, N - next);
-      prefetch_bytes(q + next * row_bytes, next_rows * row_bytes);
       prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
       prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
     }
-    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data());
+    const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileOut, N - n - kTileOut) * row_bytes : 0;
+    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data(), ahead);
     for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
       switch (std::min<int64_t>(kGemmBlock, R - r0)) {
         case 1: gemm_block<GROUP, 1, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;

@@ -134,6 +134,24 @@ inline vec16 round_to(vec16 v) {
   }
 }
 
+// v[i][j] and v[j][i] swapped for every i, j (a 16 x 16 transpose): four rounds of swapping the
+// off-diagonal blocks of 8, 4, 2 and 1 lanes between row pairs, two-input shuffles each.
+inline void transpose16(vec16* v) {
+  for (int bs = 8; bs >= 1; bs /= 2) {
+    ivec16 lo, hi;
+    for (int c = 0; c < 16; ++c) {
+      lo[c] = (c & bs) ? 16 + c - bs : c;
+      hi[c] = (c & bs) ? 16 + c : c + bs;
+    }
+    for (int i = 0; i < 16; ++i) {
+      if (i & bs) continue;
+      const vec16 a = v[i], b = v[i + bs];
+      v[i] = __builtin_shuffle(a, b, lo);
+      v[i + bs] = __builtin_shuffle(a, b, hi);
+    }
+  }
+}
+
 // Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
 inline vec16 lane_sums16(vec16* v) {
   const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};

@@ -51,7 +51,7 @@ QUANT_MAX_ROWS = 4
 # 16 0.54, 32 0.81, 64 0.89, 128 0.95, 256 1.11; 576 x 1536 at 64 0.75, 256 0.99. Also where the
 # AVX-512 VNNI build multiplies 8 rows and more by transposed weight tiles: the decode step of
 # the default model (Q4_1, bf16, 2 Zen 5 cores) at 64 rows against 4, alternated in one process:
-# batch 8 0.85 of the time, 16 0.93, 32 0.94, 64 0.95 (Q4_0: 16 0.91, 64 0.99).
+# batch 8 0.73 of the time, 16 0.78, 32 0.86, 64 0.88 (Q4_0: 16 0.82, 64 0.93).
 QUANT_MAX_ROWS_INT8 = 64
 
 
