@@ -25,7 +25,8 @@
 // Output rows (N) are split over PyTorch's OpenMP threads; the int8 paths read each weight byte
 // from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
 // up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
-// tile of weight rows once so that every int32 lane is one output (gemm_rows, below). `quant_linear_isa()` names the paths of this build.
+// tile of weight rows once so that every int32 lane is one output (gemm_rows, below).
+// `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,6 +42,7 @@
 #endif
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -854,6 +856,19 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 #endif
 #endif
 
+// f(bits, group) as compile-time constants (std::integral_constant) for the layout (bits, group):
+// 4-bit group 32, 8-bit group 32 or 16.
+template <typename F>
+inline void by_layout(int64_t bits, int64_t group, const F& f) {
+  if (bits == 4) {
+    f(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
+  } else if (group == 32) {
+    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+  } else {
+    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
+  }
+}
+
 // bfloat16 / float16 rows, and float32 rows with int8_x, through an int8 path where the CPU has
 // one; otherwise (float32 rows without int8_x, whose results equal dequantize-then-matmul) x's
 // rows in float32 and each group's sum; then every output row, split over threads.
@@ -876,25 +891,17 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       const int64_t tiles = (N + kTileOut - 1) / kTileOut;
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileOut * R));
       share.run(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
-        if (bits == 4) {
-          gemm_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
-        } else if (group == 32) {
-          gemm_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
-        } else {
-          gemm_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
-        }
+        by_layout(bits, group, [&](auto b, auto g) {
+          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+        });
       });
       return;
     }
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
-      if (bits == 4) {
-        vnni_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      } else if (group == 32) {
-        vnni_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      } else {
-        vnni_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      }
+      by_layout(bits, group, [&](auto b, auto g) {
+        vnni_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      });
     });
     return;
   }
@@ -902,13 +909,9 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (!std::is_same_v<T, float> || int8_x) {
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
-      if (bits == 4) {
-        avx2_rows<4, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      } else if (group == 32) {
-        avx2_rows<8, 32, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      } else {
-        avx2_rows<8, 16, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
-      }
+      by_layout(bits, group, [&](auto b, auto g) {
+        avx2_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      });
     });
     return;
   }
@@ -927,13 +930,9 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     }
   }
   share.run(N, grain, [&](int64_t n0, int64_t n1) {
-    if (bits == 4) {
-      quant_rows<4, 32, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
-    } else if (group == 32) {
-      quant_rows<8, 32, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
-    } else {
-      quant_rows<8, 16, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
-    }
+    by_layout(bits, group, [&](auto b, auto g) {
+      quant_rows<decltype(b)::value, decltype(g)::value, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
+    });
   });
 }
 
