@@ -95,7 +95,8 @@ def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, th
     # only float32 asked for by name keeps the quantized matmuls exact
     assert layers[0].self_attn.qkv_proj.quant_kernel.int8_x == (dtype != "float32")
     assert runner.model.model._fused_stack() is not None
-    for prompts in (PROMPTS[:1], PROMPTS, LONG) + ((MANY,) if dtype != "float32" else ()):
+    many = (MANY,) if len(MANY) <= layers[0].fused_decode[3] else ()  # where the kernels take 9 rows
+    for prompts in (PROMPTS[:1], PROMPTS, LONG) + many:
         (ids, logits), stack_calls = run(runner, prompts, "stack")
         (layer_ids, layer_logits), layer_calls = run(runner, prompts, "layers")
         (ref_ids, ref_logits), none = run(runner, prompts, "python")

@@ -375,8 +375,7 @@ void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale,
 // vnni_rows; only the float additions come in another order.
 constexpr int64_t kGemmRows = 8;
 constexpr int kGemmBlock = 4;
-constexpr int kTileOut = 32;  // weight rows per tile
-constexpr int kSubs = kTileOut / 16;
+constexpr int kSubs = kTileRows / 16;  // vectors of 16 outputs per tile
 
 // Rows of x rounded to int8 as quantize_x rounds them, kept in column order: qx[r * stride + k],
 // d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g.
@@ -404,14 +403,14 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
   return X;
 }
 
-// Weight rows [n, n + rows) (rows <= kTileOut; the lanes past them zero) transposed (and the `ahead`
+// Weight rows [n, n + rows) (rows <= kTileRows; the lanes past them zero) transposed (and the `ahead`
 // bytes after them prefetched): vector
 // w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
-// their scales and offsets as floats: ws[kTileOut * g + i], wmn[kTileOut * g + i] of row n + i
-// (ws holds kTileOut * ceil16(G) floats more: scratch).
+// their scales and offsets as floats: ws[kTileRows * g + i], wmn[kTileRows * g + i] of row n + i
+// (`flat`: scratch of kTileRows * G rounded up to 16 floats).
 template <int BITS, int GROUP, typename S>
 void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
-               __m512i* w, float* ws, float* wmn, int64_t ahead) {
+               __m512i* w, float* ws, float* wmn, float* flat, int64_t ahead) {
   // the next tile's bytes (`ahead` of them, right after this tile's), asked for a share per group:
   // all at once overran the outstanding misses a core keeps
   const char* next = reinterpret_cast<const char*>(q + (n + rows) * row_bytes);
@@ -419,9 +418,9 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
   constexpr int64_t kGroupBytes = BITS == 4 ? GROUP / 2 : GROUP;
   constexpr int kVectors = GROUP / 4;
   static const uint8_t zeros[32] = {};
-  const uint8_t* base[kTileOut];
-  int64_t step[kTileOut];
-  for (int j = 0; j < kTileOut; ++j) {
+  const uint8_t* base[kTileRows];
+  int64_t step[kTileRows];
+  for (int j = 0; j < kTileRows; ++j) {
     base[j] = j < rows ? q + (n + j) * row_bytes : zeros;
     step[j] = j < rows ? kGroupBytes : 0;
   }
@@ -461,11 +460,10 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
   // scales and offsets: each row's widened to float (rows past `rows` zero) into 16 x 16 blocks,
   // transposed by shuffles (gathers were a quarter of a 16-row call's time)
   const int64_t Gp = (G + 15) / 16 * 16;
-  float* flat = ws + kTileOut * G;  // the caller's scratch past ws: kTileOut * Gp floats
   for (int a = 0; a < 2; ++a) {
     const S* src = a == 0 ? scale : mn;
     float* dst = a == 0 ? ws : wmn;
-    for (int j = 0; j < kTileOut; ++j)
+    for (int j = 0; j < kTileRows; ++j)
       for (int64_t g = 0; g < Gp; g += 16) {
         const __mmask16 m = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
         const __m512 v = j < rows ? load16_masked(src + (n + j) * G + g, m) : _mm512_setzero_ps();
@@ -476,7 +474,7 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
         vec16 v[16];
         for (int j = 0; j < 16; ++j) v[j] = load16(flat + (16 * sub + j) * Gp + g0);
         transpose16(v);
-        for (int c = 0; c < 16 && g0 + c < G; ++c) store16(dst + kTileOut * (g0 + c) + 16 * sub, v[c]);
+        for (int c = 0; c < 16 && g0 + c < G; ++c) store16(dst + kTileRows * (g0 + c) + 16 * sub, v[c]);
       }
   }
 }
@@ -512,7 +510,7 @@ void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, c
       const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
       const __m512 gs = _mm512_set1_ps(X.gsum[(r0 + r) * G + g]);
       for (int s = 0; s < kSubs; ++s) {
-        const __m512 sc = _mm512_loadu_ps(ws + kTileOut * g + 16 * s), m = _mm512_loadu_ps(wmn + kTileOut * g + 16 * s);
+        const __m512 sc = _mm512_loadu_ps(ws + kTileRows * g + 16 * s), m = _mm512_loadu_ps(wmn + kTileRows * g + 16 * s);
         acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][s]), _mm512_mul_ps(sc, dx), acc[r][s]);
         acc[r][s] = _mm512_fmadd_ps(m, gs, acc[r][s]);
       }
@@ -539,24 +537,24 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// Every row of x times weight rows [kTileOut * t0, min(N, kTileOut * t1)): one tile at a time,
+// Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
 // each tile multiplied by every row block of x.
 template <int BITS, int GROUP, typename T, typename S>
 void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias, T* y,
                int64_t K, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
   std::vector<__m512i> w(G * (GROUP / 4) * kSubs);
-  std::vector<float> ws(kTileOut * (G + (G + 15) / 16 * 16)), wmn(kTileOut * G);  // ws: and gemm_tile's scratch
+  std::vector<float> ws(kTileRows * G), wmn(kTileRows * G), flat(kTileRows * ((G + 15) / 16 * 16));
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n = kTileOut * t;
-    const int rows = static_cast<int>(std::min<int64_t>(kTileOut, N - n));
+    const int64_t n = kTileRows * t;
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
-      const int64_t next = n + kTileOut, next_rows = std::min<int64_t>(kTileOut, N - next);
+      const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
       prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
       prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
     }
-    const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileOut, N - n - kTileOut) * row_bytes : 0;
-    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data(), ahead);
+    const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
+    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data(), flat.data(), ahead);
     for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
       switch (std::min<int64_t>(kGemmBlock, R - r0)) {
         case 1: gemm_block<GROUP, 1, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
@@ -888,8 +886,8 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (!std::is_same_v<T, float> || int8_x) {
     if (R >= kGemmRows) {
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
-      const int64_t tiles = (N + kTileOut - 1) / kTileOut;
-      const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileOut * R));
+      const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+      const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
       share.run(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
           gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
