@@ -70,9 +70,15 @@ def workload(stop: str | None = None) -> list[tuple[str, list[int], dict]]:
     return reqs
 
 
-def run(model_dir, overlap: bool, reqs, stagger: int = 0, **server_args) -> SchedulerHarness:
-    """Submit `reqs` (all at once, or one every `stagger` steps) and run until idle."""
+def run(
+    model_dir, overlap: bool, reqs, stagger: int = 0, wait_for_grammars: bool = False, **server_args
+) -> SchedulerHarness:
+    """Submit `reqs` (all at once, or one every `stagger` steps) and run until idle.
+    `wait_for_grammars`: each step admits only once every pending grammar has compiled
+    (the queue's blocking mode, as under TP), so which requests share a batch, and so
+    whether a small pool retracts, does not depend on how fast the compile threads ran."""
     h = SchedulerHarness(model_dir, disable_overlap_schedule=not overlap, **server_args)
+    h.scheduler.grammar_queue.blocking = wait_for_grammars
     h.extra_steps = 0  # results of a request that had already finished (overlap only)
     process = h.scheduler.process_batch_result
 
