@@ -39,6 +39,7 @@ from tandem.layers.activation import GeluTanhAndMul, SiluAndMul
 from tandem.layers.layernorm import RMSNorm
 from tandem.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from tandem.layers.quantization.gguf_linear import place_in_huge_pages
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
@@ -505,6 +506,7 @@ class CausalLM(nn.Module):
             keep = module is self.lm_head and self.tie_word_embeddings
             module.process_weights_after_loading(linear_backend, keep_weight=keep, quantization=at_load, int8_x=int8_x)
             dequantized |= module.dequantized_types - {"F32", "F16", "BF16"}
+        place_in_huge_pages([m.quant_kernel for _, m in linears if m.quant_kernel is not None])
         for layer in self.model.layers:
             layer.prepare_fused_decode()
         self.model.embed_tokens.finish_loading(shared_with_head=self.tie_word_embeddings)

@@ -123,6 +123,10 @@ def test_greedy_tokens_equal_transformers_on_rounded_weights(model_dirs, arch, m
     assert line.endswith("dense (input width not a multiple of 32): model.layers.*.mlp.down_proj")
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
     assert sum(m.quant_kernel is not None for m in linears) == (len(linears) - 3 if HAS_KERNELS else 0)
+    # every quantized kernel's tensors were moved into one huge-page arena (place_in_huge_pages)
+    kernels = [m.quant_kernel for m in linears if m.quant_kernel is not None]
+    storages = {t.untyped_storage().data_ptr() for k in kernels for t in (k.q, k.scale, k.mn)}
+    assert len(storages) == (1 if kernels else 0)
     ids, logits = greedy_steps(runner, PROMPTS, STEPS)  # decode: 3 rows, on the quantized kernel
     model = rounded_transformers(model_dirs[arch], method)
     for i, prompt in enumerate(PROMPTS):

@@ -28,6 +28,7 @@ their dequantized values, so that both paths use the same weights.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ import torch
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear_kernel import can_pack
 from tandem.layers.quantization.gguf_repack import Packed, concat_rows, repack, slice_cols, widen
+from tandem.utils.huge_pages import HugePageArena
+
+logger = logging.getLogger(__name__)
 
 # Inputs of up to this many rows run on the quantized weights on the exact float32 path (no
 # int8 rows), and where int8 rows meet oneDNN's bfloat16 on a build without AVX-512 VNNI:
@@ -123,6 +127,23 @@ def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.
         half = scale.astype(np.float16), mn.astype(np.float16)
     exact = all(np.isfinite(h).all() and np.array_equal(h.astype(np.float32), f) for h, f in zip(half, (scale, mn)))
     return half if exact else (scale, mn)
+
+
+def place_in_huge_pages(kernels: list[QuantLinearKernel]) -> None:
+    """Move the kernels' blocks, scales and offsets, in the order given (the order a decode
+    step reads them), into one arena of huge pages (tandem/utils/huge_pages.py); each
+    original is freed as soon as it is copied. Same values: the outputs do not change."""
+    tensors = [t for k in kernels for t in (k.q, k.scale, k.mn)]
+    if not tensors:
+        return
+    arena = HugePageArena(HugePageArena.size_of(tensors))
+    for k in kernels:
+        k.q, k.scale, k.mn = arena.take(k.q), arena.take(k.scale), arena.take(k.mn)
+    logger.debug(
+        "quantized weights: %.1f MB in one arena (%s)",
+        HugePageArena.size_of(tensors) / 1e6,
+        "huge pages advised" if arena.huge else "huge pages refused: 4 KB pages",
+    )
 
 
 class QuantLinearKernel:
