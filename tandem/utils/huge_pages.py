@@ -18,13 +18,10 @@ the same values and nothing else changes.
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import sys
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h

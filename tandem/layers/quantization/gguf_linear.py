@@ -136,12 +136,13 @@ def place_in_huge_pages(kernels: list[QuantLinearKernel]) -> None:
     tensors = [t for k in kernels for t in (k.q, k.scale, k.mn)]
     if not tensors:
         return
-    arena = HugePageArena(HugePageArena.size_of(tensors))
+    nbytes = HugePageArena.size_of(tensors)
+    arena = HugePageArena(nbytes)
     for k in kernels:
         k.q, k.scale, k.mn = arena.take(k.q), arena.take(k.scale), arena.take(k.mn)
     logger.debug(
         "quantized weights: %.1f MB in one arena (%s)",
-        HugePageArena.size_of(tensors) / 1e6,
+        nbytes / 1e6,
         "huge pages advised" if arena.huge else "huge pages refused: 4 KB pages",
     )
 
