@@ -1,7 +1,8 @@
 """Checks of the C++ quantized matmul shared by tests/unit/test_quant_linear.py and, run as
 `python tests/quant_kernel_checks.py MARCH`, by a build of the kernel for another CPU
 (`-march=MARCH`, compiled alone and loaded in this process): prints the build's paths
-(`quant_linear_isa()`) and "ok" once every type passes `check_kernel`.
+(`quant_linear_isa()`) and "ok" once every type passes `check_kernel`, with and without the
+weight's stored tiles (`with_tiles`).
 
 `python tests/quant_kernel_checks.py --digests LIB` loads the kernel library LIB (a .so that
 `tandem.kernels.cpu.build` made) and prints `output_digests` of its quant_linear as JSON: how
@@ -116,6 +117,17 @@ def check_extreme_bytes(kernel, isa: str) -> None:
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=2**-8)
 
 
+def with_tiles(ops):
+    """`ops.quant_linear` given the weight's tiles as the layer stores them at load
+    (`quant_tiles`: the many-rows path's transposed weights; an empty tensor on builds without
+    that path), to be checked as the kernel itself is: the same results."""
+
+    def kernel(x, q, scale, mn, bits, group, bias=None, int8_x=False):
+        return ops.quant_linear(x, q, scale, mn, bits, group, bias, int8_x, ops.quant_tiles(q, scale, mn, bits, group))
+
+    return kernel
+
+
 DIGEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -150,8 +162,9 @@ if __name__ == "__main__":
 
     torch.ops.load_library(str(cpu.build(sources=(cpu.CSRC / "quant_linear_cpu.cpp",), march=sys.argv[1])))
     ops = torch.ops.tandem_cpu
-    for name in TYPES:
-        for rows in (1, 3, 5, 17, 64):
-            check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
-    check_extreme_bytes(ops.quant_linear, ops.quant_linear_isa())
+    for kernel in (ops.quant_linear, with_tiles(ops)):
+        for name in TYPES:
+            for rows in (1, 3, 5, 17, 64):
+                check_kernel(kernel, ops.quant_linear_isa(), name, rows)
+        check_extreme_bytes(kernel, ops.quant_linear_isa())
     print(ops.quant_linear_isa(), "ok")

@@ -243,8 +243,8 @@ class DecoderLayer(nn.Module):
         ):
             return
         kernels = [m.quant_kernel for m in linears]
-        weights = [[k.q, k.scale, k.mn] + ([k.bias] if k.bias is not None else []) for k in kernels]
-        formats = [v for k in kernels for v in (k.bits, k.group, int(k.int8_x))]
+        weights = [k.tensors() for k in kernels]
+        formats = [v for k in kernels for v in k.fused_format()]
         self.fused_decode = (ops.decode_layer, weights, formats, min(k.max_rows for k in kernels))
 
     def forward_fused(self, cos_sin, hidden, residual, fb, ctx, tables):

@@ -11,6 +11,8 @@ blocks for it (`tandem.layers.quantization.gguf_linear`):
   the AVX2 int8 path; plain x86-64, the float path), each compiled here in a subprocess, so
   those paths run on every x86 machine; the AVX-VNNI build (x86-64-v3 with -mavxvnni) is
   compiled wherever the compiler knows the flag and checked where the CPU has it;
+- the same checks given the weight's stored tiles (`quant_tiles`, what the layer keeps at load
+  for the many-rows path), and outputs bit-identical with and without them;
 - on an AVX-512 VNNI build, outputs bit-identical to the kernel the quantized model's accuracy
   bounds were measured on (tests/data/quant_linear_avx512_vnni.json: fp32, bf16 and fp16 rows,
   every type, the default model's shapes), so that another path's code cannot move that one's
@@ -35,12 +37,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel, output_digests
+from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel, output_digests, with_tiles
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tandem.layers.linear_kernel import can_pack
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QUANT_MAX_ROWS_INT8
+from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QUANT_MAX_ROWS_ALL, QUANT_MAX_ROWS_INT8
 from tandem.layers.quantization.gguf_repack import repack
 from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.model_executor.gguf_loader import GGUFWeight
@@ -60,23 +62,64 @@ def run(packed, x: torch.Tensor) -> torch.Tensor:
     )
 
 
+KERNELS = {"plain": lambda: ops.quant_linear, "stored tiles": lambda: with_tiles(ops)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 300])
-def test_kernel_equals_dequantize_then_matmul(name, rows):
-    check_kernel(ops.quant_linear, ops.quant_linear_isa(), name, rows)
+def test_kernel_equals_dequantize_then_matmul(kernel, name, rows):
+    check_kernel(KERNELS[kernel](), ops.quant_linear_isa(), name, rows)
 
 
-def test_extreme_bytes():
-    check_extreme_bytes(ops.quant_linear, ops.quant_linear_isa())
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_extreme_bytes(kernel):
+    check_extreme_bytes(KERNELS[kernel](), ops.quant_linear_isa())
 
 
-@pytest.mark.slow  # ~10 s: 900 products of up to 4096 x 1536
-def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel():
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])  # the three layouts: 4-bit, 8-bit by 32, 8-bit by 16
+def test_stored_tiles_give_the_same_outputs(name):
+    """Where the build has the many-rows path (AVX-512 VNNI), `quant_tiles` stores each tile of
+    32 weight rows as that path transposes it per call: outputs with and without them are
+    bit-identical for every row count (few rows never read them), on a partial last tile;
+    tiles of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which
+    the kernel ignores."""
+    rows, cols = 75, 512
+    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    for scales in (torch.float32, torch.float16):
+        q, scale, mn = torch.from_numpy(packed.q), *(torch.from_numpy(a).to(scales) for a in (packed.scale, packed.mn))
+        tiles = ops.quant_tiles(q, scale, mn, packed.bits, packed.group)
+        if not ops.quant_linear_isa().startswith("avx512_vnni"):
+            assert tiles.numel() == 0
+        else:
+            assert tiles.shape[0] == 3 and tiles.dtype == torch.uint8
+        for n in (1, 7, 8, 9, 33, 64, 130):
+            x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+            plain = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group)
+            assert torch.equal(ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, False, tiles), plain)
+    if tiles.numel():
+        with pytest.raises(RuntimeError, match="tiles must be quant_tiles of this weight"):
+            ops.quant_linear(
+                x[:, :256],
+                q[:, : q.shape[1] // 2].contiguous(),
+                scale[:, : scale.shape[1] // 2].contiguous(),
+                mn[:, : mn.shape[1] // 2].contiguous(),
+                packed.bits,
+                packed.group,
+                None,
+                False,
+                tiles,
+            )
+
+
+@pytest.mark.slow  # ~20 s: 900 products of up to 4096 x 1536, with and without stored tiles
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel(kernel):
     isa = ops.quant_linear_isa()
     if not isa.startswith("avx512_vnni"):
         pytest.skip(f"this build's path is {isa}: the digests are the AVX-512 VNNI path's")
     expected = json.loads((Path(__file__).parents[1] / "data" / "quant_linear_avx512_vnni.json").read_text())
-    got = output_digests(ops.quant_linear)
+    got = output_digests(KERNELS[kernel]())
     changed = sorted(case for case, digest in expected["digests"].items() if got.get(case) != digest)
     assert not changed, f"outputs changed for {changed} (made from: {expected['made_from']})"
 
@@ -186,9 +229,15 @@ def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch, dtype, int8_
     int8_path = not isa.startswith("float,") and (int8_x or dtype != torch.float32)
     # exact float32 rows, and int8 rows of a build without AVX-512 VNNI against oneDNN's
     # bfloat16, stop at 4; int8 rows against a float32 (or unpacked bfloat16) dense kernel, or
-    # on the AVX-512 VNNI build (weight tiles from 8 rows on), at 64
-    limit = QUANT_MAX_ROWS_INT8 if int8_path and (isa.startswith("avx512_vnni") or not dense_bf16) else QUANT_MAX_ROWS
-    assert layer.quant_kernel.max_rows == limit
+    # on the AVX-512 VNNI build (weight tiles from 8 rows on) with AMX, at 64; on that build
+    # without AMX every input takes the blocks (prefill too)
+    vnni = isa.startswith("avx512_vnni")
+    if int8_path and vnni and not torch.cpu._is_amx_tile_supported():
+        limit = 300  # any count: QUANT_MAX_ROWS_ALL
+        assert layer.quant_kernel.max_rows == QUANT_MAX_ROWS_ALL
+    else:
+        limit = QUANT_MAX_ROWS_INT8 if int8_path and (vnni or not dense_bf16) else QUANT_MAX_ROWS
+        assert layer.quant_kernel.max_rows == limit
     kernel, calls = layer.quant_kernel, []
 
     class Counted:
@@ -201,7 +250,7 @@ def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch, dtype, int8_
     monkeypatch.setattr(layer, "quant_kernel", Counted())
     layer.matmul(torch.randn(limit, 256, dtype=dtype))
     layer.matmul(torch.randn(limit + 1, 256, dtype=dtype))
-    assert calls == [limit]
+    assert calls == ([limit, limit + 1] if Counted.max_rows == QUANT_MAX_ROWS_ALL else [limit])
 
 
 def test_dense_only_without_a_layout_or_with_the_torch_backend():

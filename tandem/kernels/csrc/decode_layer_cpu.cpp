@@ -30,21 +30,23 @@ namespace {
 
 using tandem_cpu::Share;
 
-// A linear layer's quantized weight, [q, scale, mn] or [q, scale, mn, bias], and its format
-// (bits, group, int8_x: quant_linear's arguments).
+// A linear layer's quantized weight, [q, scale, mn], then its quant_tiles where `tiled`, then its
+// bias if it has one, and its format (bits, group, int8_x, tiled: quant_linear's arguments).
 struct Linear {
   at::TensorList w;
   int64_t bits = 0, group = 0;
-  bool int8_x = false;
+  bool int8_x = false, tiled = false;
 
   int64_t out() const { return w[0].size(0); }
   void into(const at::Tensor& x, at::Tensor& y, const Share& share) const {
-    const c10::optional<at::Tensor> bias = w.size() == 4 ? c10::optional<at::Tensor>(w[3]) : c10::nullopt;
-    tandem_cpu::quant_linear_into(x, w[0], w[1], w[2], bits, group, int8_x, bias, y, share);
+    const size_t b = tiled ? 4 : 3;
+    const c10::optional<at::Tensor> bias = w.size() > b ? c10::optional<at::Tensor>(w[b]) : c10::nullopt;
+    const c10::optional<at::Tensor> tiles = tiled ? c10::optional<at::Tensor>(w[3]) : c10::nullopt;
+    tandem_cpu::quant_linear_into(x, w[0], w[1], w[2], bits, group, int8_x, bias, y, share, tiles);
   }
 };
 
-constexpr int64_t kFormat = 3;  // ints of a linear's format
+constexpr int64_t kFormat = 4;  // ints of a linear's format
 
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
@@ -59,9 +61,11 @@ struct Step {
 };
 
 Linear linear_of(at::TensorList w, const int64_t* format) {
-  TORCH_CHECK(w.size() == 3 || w.size() == 4, "decode_layer: a linear layer is [q, scale, mn] or [q, scale, mn, bias]");
+  const bool tiled = format[3] != 0;
+  TORCH_CHECK(w.size() == (tiled ? 4u : 3u) || w.size() == (tiled ? 5u : 4u),
+              "decode_layer: a linear layer is [q, scale, mn], its tiles where the format says so, then its bias if any");
   TORCH_CHECK(w[0].dim() == 2, "decode_layer: a linear layer's q must be [out, in bytes]");
-  return Linear{w, format[0], format[1], format[2] != 0};
+  return Linear{w, format[0], format[1], format[2] != 0, tiled};
 }
 
 // The first error any thread of the region met. Every thread still passes every barrier (the
@@ -174,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
 namespace tandem_cpu {
 
 // hidden [bs, hidden] (this layer's input; with a residual it receives hidden + residual in
-// place, as the fused norm does); formats: (bits, group, int8_x) of qkv, o, gate_up, down.
+// place, as the fused norm does); formats: (bits, group, int8_x, tiled) of qkv, o, gate_up, down.
 std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                                                 at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w,
@@ -183,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& hidden, const c10::o
                                                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                                                 const at::Tensor& seq_lens, double scale, int64_t num_heads,
                                                 int64_t num_kv_heads) {
-  TORCH_CHECK(formats.size() == 4 * kFormat, "decode_layer: formats are (bits, group, int8_x) of qkv, o, gate_up and down");
+  TORCH_CHECK(formats.size() == 4 * kFormat, "decode_layer: formats are (bits, group, int8_x, tiled) of qkv, o, gate_up and down");
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be [batch, hidden]");
   const int64_t* f = formats.data();
   const std::vector<Layer> layers{{input_norm, post_norm, k_cache, v_cache, linear_of(qkv_w, f), linear_of(o_w, f + kFormat),
@@ -196,8 +200,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(at::Tensor& hidden, const c10::o
 // Every decoder layer of a decode batch: decode_layer for layer l = 0 .. L - 1, each taking the
 // previous one's (out, o) as its (hidden, residual) (the first: hidden, no residual), so the
 // result is the per-layer calls' bit for bit. weights: per layer its input and post-attention
-// norms, then the tensors of its qkv, o, gate_up and down linears; layout: per layer 16 ints,
-// the four linears' tensor counts (3, or 4 with a bias) and their formats (3 ints each); k_caches /
+// norms, then the tensors of its qkv, o, gate_up and down linears; layout: per layer 20 ints,
+// the four linears' tensor counts (3, +1 with tiles, +1 with a bias) and their formats (4 ints each); k_caches /
 // v_caches: the pool's buffer of each layer. Returns the last layer's (out, o).
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden, at::TensorList weights,
                                                  at::IntArrayRef layout, double eps, const at::Tensor& cos_sin,
@@ -206,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& hidden, at::T
                                                  const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                                                  double scale, int64_t num_heads, int64_t num_kv_heads) {
   constexpr int64_t kPerLayer = 4 + 4 * kFormat;
-  TORCH_CHECK(layout.size() % kPerLayer == 0, "decode_layers: layout holds 16 ints a layer");
+  TORCH_CHECK(layout.size() % kPerLayer == 0, "decode_layers: layout holds 20 ints a layer");
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be [batch, hidden]");
   const int64_t count = static_cast<int64_t>(layout.size()) / kPerLayer;
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == count && static_cast<int64_t>(v_caches.size()) == count,

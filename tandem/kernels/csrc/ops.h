@@ -50,10 +50,11 @@ int64_t decode_attention_partial_floats(int64_t bs, int64_t num_heads, const at:
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool int8_x);
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool int8_x,
+                        const c10::optional<at::Tensor>& tiles);
 // quant_linear into y [R, N] (x's dtype), the share of its output columns given.
 void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
                        int64_t bits, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-                       const Share& share);
+                       const Share& share, const c10::optional<at::Tensor>& tiles = c10::nullopt);
 
 }  // namespace tandem_cpu

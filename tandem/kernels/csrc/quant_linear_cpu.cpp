@@ -537,33 +537,71 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// Bytes of one stored tile (quant_tiles): gemm_tile's vectors, then its scales and offsets
+// (kTileRows * G float32 each); a multiple of 64.
+inline int64_t tile_vector_bytes(int64_t G, int64_t group) { return G * (group / 4) * kSubs * 64; }
+inline int64_t tile_bytes(int64_t G, int64_t group) { return tile_vector_bytes(G, group) + 2 * kTileRows * G * 4; }
+
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
-// each tile multiplied by every row block of x.
+// each tile multiplied by every row block of x. The tiles are transposed here, or read as
+// quant_tiles stored them at load (`tiles`, else null): the same vectors, so the same results.
 template <int BITS, int GROUP, typename T, typename S>
-void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias, T* y,
-               int64_t K, int64_t N, int64_t t0, int64_t t1) {
+void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const uint8_t* tiles,
+               const float* bias, T* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
-  std::vector<__m512i> w(G * (GROUP / 4) * kSubs);
-  std::vector<float> ws(kTileRows * G), wmn(kTileRows * G), flat(kTileRows * ((G + 15) / 16 * 16));
+  const int64_t vector_bytes = tile_vector_bytes(G, GROUP), stored_bytes = tile_bytes(G, GROUP);
+  std::vector<__m512i> scratch(tiles ? 0 : G * (GROUP / 4) * kSubs);
+  std::vector<float> scratch_s(tiles ? 0 : 2 * kTileRows * G), flat(tiles ? 0 : kTileRows * ((G + 15) / 16 * 16));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = kTileRows * t;
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
-    if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
-      const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
-      prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
-      prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+    const __m512i* w;
+    const float* ws;
+    if (tiles) {  // the next stored tile asked for while this one computes (the first row block reads it)
+      const uint8_t* tile = tiles + t * stored_bytes;
+      if (t + 1 < t1) prefetch_bytes(tile + stored_bytes, stored_bytes);
+      w = reinterpret_cast<const __m512i*>(tile);
+      ws = reinterpret_cast<const float*>(tile + vector_bytes);
+    } else {
+      if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
+        const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
+        prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+        prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+      }
+      const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
+      gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(), scratch_s.data(),
+                                scratch_s.data() + kTileRows * G, flat.data(), ahead);
+      w = scratch.data();
+      ws = scratch_s.data();
     }
-    const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
-    gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, w.data(), ws.data(), wmn.data(), flat.data(), ahead);
+    const float* wmn = ws + kTileRows * G;
     for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
       switch (std::min<int64_t>(kGemmBlock, R - r0)) {
-        case 1: gemm_block<GROUP, 1, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
-        case 2: gemm_block<GROUP, 2, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
-        case 3: gemm_block<GROUP, 3, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
-        default: gemm_block<GROUP, 4, T>(X, r0, w.data(), ws.data(), wmn.data(), bias, y, N, n, rows); break;
+        case 1: gemm_block<GROUP, 1, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
+        case 2: gemm_block<GROUP, 2, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
+        case 3: gemm_block<GROUP, 3, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
+        default: gemm_block<GROUP, 4, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
       }
     }
   }
+}
+
+// Every tile of W transposed as gemm_rows transposes it, stored one after another:
+// tiles[t] = tile t's tile_bytes.
+template <int BITS, int GROUP, typename S>
+void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, uint8_t* tiles) {
+  const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
+  const int64_t vector_bytes = tile_vector_bytes(G, GROUP), stored_bytes = tile_bytes(G, GROUP);
+  at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16));
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = tiles + t * stored_bytes;
+      float* ws = reinterpret_cast<float*>(tile + vector_bytes);
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - kTileRows * t));
+      gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows, reinterpret_cast<__m512i*>(tile), ws,
+                                ws + kTileRows * G, flat.data(), 0);
+    }
+  });
 }
 #define TANDEM_QUANT_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -872,7 +910,7 @@ inline void by_layout(int64_t bits, int64_t group, const F& f) {
 // rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const float* bias, int64_t bits, int64_t group, bool int8_x, at::Tensor& y,
+                       const uint8_t* tiles, const float* bias, int64_t bits, int64_t group, bool int8_x, at::Tensor& y,
                        const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
@@ -886,11 +924,11 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (!std::is_same_v<T, float> || int8_x) {
     if (R >= kGemmRows) {
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
-      const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+      const int64_t count = (N + kTileRows - 1) / kTileRows;
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
-      share.run(tiles, tile_grain, [&](int64_t t0, int64_t t1) {
+      share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
-          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, tiles, bias, yp, K, N, t0, t1);
         });
       });
       return;
@@ -938,29 +976,68 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 namespace tandem_cpu {
 
-// x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
-// [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None; y [R, N] in x's
-// dtype, contiguous: y's columns of this share = x @ W^T (the float32 sum rounded once).
-// int8_x: float32 rows too take the int8 path (bfloat16 / float16 rows always do, where the
-// build has one).
-void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       int64_t bits, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
-                       const Share& share) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "quant_linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
-  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
-              "quant_linear: layouts are bits 4 group 32, bits 8 group 16 or 32");
-  const int64_t R = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(K % group == 0, "quant_linear: in (", K, ") must be a multiple of the group (", group, ")");
+// W's tensors checked against each other and K: q uint8 [N, K/2] (bits 4) or [N, K] (bits 8),
+// scale and mn float32 or float16 (one dtype) [N, K/group].
+void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                  int64_t bits, int64_t group) {
+  TORCH_CHECK(q.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)), op,
+              ": layouts are bits 4 group 32, bits 8 group 16 or 32");
+  TORCH_CHECK(K % group == 0, op, ": in (", K, ") must be a multiple of the group (", group, ")");
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) == (bits == 4 ? K / 2 : K),
-              "quant_linear: q must be contiguous uint8 [out, in", bits == 4 ? "/2" : "", "]");
-  const int64_t G = K / group;
+              op, ": q must be contiguous uint8 [out, in", bits == 4 ? "/2" : "", "]");
+  const int64_t N = q.size(0), G = K / group;
   for (const at::Tensor* t : {&scale, &mn}) {
     TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
                     t->scalar_type() == scale.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
                     t->size(0) == N && t->size(1) == G,
-                "quant_linear: scale and mn must be contiguous float32 or float16 (both one dtype) [out, in/group]");
+                op, ": scale and mn must be contiguous float32 or float16 (both one dtype) [out, in/group]");
   }
+}
+
+// Where this build multiplies many rows by transposed weight tiles (the AVX-512 VNNI path, from
+// kGemmRows rows of x on): every tile of W as that path transposes it per call, [tiles,
+// tile_bytes] uint8, for quant_linear's `tiles` (the same results without the transposition:
+// at 16 rows a third of a call's time). Elsewhere an empty tensor.
+at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits, int64_t group) {
+  TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
+  const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
+  check_weight("quant_tiles", K, q, scale, mn, bits, group);
+#ifdef TANDEM_QUANT_VNNI
+  const int64_t count = (N + kTileRows - 1) / kTileRows;
+  at::Tensor tiles = at::empty({count, tile_bytes(K / group, group)}, q.options());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
+  auto run = [&](auto s) {
+    using S = decltype(s);
+    by_layout(bits, group, [&](auto b, auto g) {
+      store_tiles<decltype(b)::value, decltype(g)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(),
+                                                             mn.data_ptr<S>(), K, N, tiles.data_ptr<uint8_t>());
+    });
+  };
+  if (scale.scalar_type() == at::kHalf) {
+    run(c10::Half{});
+  } else {
+    run(float{});
+  }
+  return tiles;
+#else
+  return at::empty({0}, q.options());
+#endif
+}
+
+// x [R, K] (float32, bfloat16 or float16; rows contiguous); q uint8 [N, K/2] (bits 4) or
+// [N, K] (bits 8); scale, mn float32 [N, K/group]; bias float32 [N] or None; y [R, N] in x's
+// dtype, contiguous: y's columns of this share = x @ W^T (the float32 sum rounded once).
+// int8_x: float32 rows too take the int8 path (bfloat16 / float16 rows always do, where the
+// build has one). tiles: quant_tiles of the same W (64-byte aligned), or None (or empty).
+void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
+                       int64_t bits, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                       const Share& share, const c10::optional<at::Tensor>& tiles) {
+  TORCH_CHECK(x.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
+  const int64_t R = x.size(0), K = x.size(1);
+  check_weight("quant_linear", K, q, scale, mn, bits, group);
+  const int64_t N = q.size(0);
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() && y.dim() == 2 && y.size(0) == R &&
                   y.size(1) == N,
               "quant_linear: y must be contiguous [rows, out] in x's dtype");
@@ -970,13 +1047,25 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                 "quant_linear: bias must be contiguous float32 [out]");
     bias_p = bias->data_ptr<float>();
   }
+  const uint8_t* tiles_p = nullptr;
+  if (tiles.has_value() && tiles->numel() > 0) {
+#ifdef TANDEM_QUANT_VNNI
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 2 &&
+                    tiles->size(0) == (N + kTileRows - 1) / kTileRows && tiles->size(1) == tile_bytes(K / group, group) &&
+                    reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
+                "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
+    tiles_p = tiles->data_ptr<uint8_t>();
+#else
+    TORCH_CHECK(false, "quant_linear: this build has no tiled path (quant_tiles gives an empty tensor)");
+#endif
+  }
   const bool half_scales = scale.scalar_type() == at::kHalf;
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, bias_p, bits, group, int8_x, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, bias_p, bits, group, int8_x, y, share);
     }
   };
   switch (x.scalar_type()) {
@@ -989,10 +1078,11 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 // quant_linear_into a new y, split over PyTorch's threads.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool int8_x) {
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool int8_x,
+                        const c10::optional<at::Tensor>& tiles) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
   auto y = at::empty({x.size(0), q.dim() > 0 ? q.size(0) : 0}, x.options());
-  quant_linear_into(x, q, scale, mn, bits, group, int8_x, bias, y, Share{});
+  quant_linear_into(x, q, scale, mn, bits, group, int8_x, bias, y, Share{}, tiles);
   return y;
 }
 
@@ -1021,7 +1111,9 @@ std::string quant_linear_isa() {
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
       "quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None, "
-      "bool int8_x=False) -> Tensor");
+      "bool int8_x=False, Tensor? tiles=None) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &tandem_cpu::quant_linear);
+  m.def("quant_tiles(Tensor q, Tensor scale, Tensor mn, int bits, int group) -> Tensor");
+  m.impl("quant_tiles", c10::DispatchKey::CPU, &tandem_cpu::quant_tiles);
   m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
 }

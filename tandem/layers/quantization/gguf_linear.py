@@ -8,7 +8,8 @@ has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
 and the layer multiplies inputs of few rows (decode steps; `quant_max_rows`) with the
 C++ kernel `tandem_cpu.quant_linear`,
 reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
-the dense kernel, which is faster there. The kernel rounds the rows to int8 (llama.cpp's
+the dense kernel where that is faster (oneDNN's bfloat16 on AMX, or a build without AVX-512
+VNNI). The kernel rounds the rows to int8 (llama.cpp's
 recipe: bfloat16 rows always, float32 rows unless the model asked for exact float32 matmuls,
 `--dtype float32`); exact float32 results equal the dense matmul's up to the summation order
 (the kernel computes in float32 on the exact dequantized values).
@@ -57,6 +58,12 @@ QUANT_MAX_ROWS = 4
 # the default model (Q4_1, bf16, 2 Zen 5 cores) at 64 rows against 4, alternated in one process:
 # batch 8 0.73 of the time, 16 0.78, 32 0.86, 64 0.88 (Q4_0: 16 0.82, 64 0.93).
 QUANT_MAX_ROWS_INT8 = 64
+# ... and on the AVX-512 VNNI build where the CPU has no AMX (on which oneDNN's bfloat16 runs),
+# every input: prefill too multiplies the stored int8 tiles (`quant_tiles`), measured against
+# oneDNN's bfloat16 on the dense copy, the default model's prefill alternated in one process
+# (2 Zen 4 cores, bf16): 1 x 128 tokens 0.85 of the time, 4 x 256 0.89, 16 x 96 0.90 (Q8_0
+# 0.87), 1 x 1024 0.91 (Q4_0).
+QUANT_MAX_ROWS_ALL = 1 << 62
 
 
 def quant_max_rows(weight: torch.Tensor, int8_x: bool, ops) -> int:
@@ -64,8 +71,10 @@ def quant_max_rows(weight: torch.Tensor, int8_x: bool, ops) -> int:
     isa = ops.quant_linear_isa()
     int8_rows = (int8_x or weight.dtype != torch.float32) and not isa.startswith("float,")
     onednn_bf16 = weight.dtype == torch.bfloat16 and can_pack(weight)
-    many_rows = isa.startswith("avx512_vnni") or not onednn_bf16
-    return QUANT_MAX_ROWS_INT8 if int8_rows and many_rows else QUANT_MAX_ROWS
+    vnni = isa.startswith("avx512_vnni")
+    if int8_rows and vnni and not torch.cpu._is_amx_tile_supported():
+        return QUANT_MAX_ROWS_ALL
+    return QUANT_MAX_ROWS_INT8 if int8_rows and (vnni or not onednn_bf16) else QUANT_MAX_ROWS
 
 
 def is_gguf_tensor(loaded: Any) -> bool:
@@ -133,13 +142,15 @@ def place_in_huge_pages(kernels: list[QuantLinearKernel]) -> None:
     """Move the kernels' blocks, scales and offsets, in the order given (the order a decode
     step reads them), into one arena of huge pages (tandem/utils/huge_pages.py); each
     original is freed as soon as it is copied. Same values: the outputs do not change."""
-    tensors = [t for k in kernels for t in (k.q, k.scale, k.mn)]
+    tensors = [t for k in kernels for t in (k.q, k.scale, k.mn, k.tiles) if t is not None]
     if not tensors:
         return
     nbytes = HugePageArena.size_of(tensors)
     arena = HugePageArena(nbytes)
     for k in kernels:
         k.q, k.scale, k.mn = arena.take(k.q), arena.take(k.scale), arena.take(k.mn)
+        if k.tiles is not None:
+            k.tiles = arena.take(k.tiles)
     logger.debug(
         "quantized weights: %.1f MB in one arena (%s)",
         nbytes / 1e6,
@@ -159,6 +170,13 @@ class QuantLinearKernel:
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
+        # Where the build multiplies many rows by transposed weight tiles (AVX-512 VNNI), the
+        # tiles stored once here instead of transposed on every call of more than QUANT_MAX_ROWS
+        # rows (`quant_tiles`; same results): 1.25 bytes a weight more.
+        tiles = (
+            ops.quant_tiles(self.q, self.scale, self.mn, self.bits, self.group) if max_rows > QUANT_MAX_ROWS else None
+        )
+        self.tiles = tiles if tiles is not None and tiles.numel() > 0 else None
         # The kernel adds the bias in float32 before rounding once; the dense path adds it in
         # the model's dtype (equal for float32 models).
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -201,12 +219,32 @@ class QuantLinearKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # a decode step's [rows, in]: no reshapes (a few us on each of ~120 calls a step)
-            return self.ops.quant_linear(x, self.q, self.scale, self.mn, self.bits, self.group, self.bias, self.int8_x)
+            return self.ops.quant_linear(
+                x, self.q, self.scale, self.mn, self.bits, self.group, self.bias, self.int8_x, self.tiles
+            )
         lead = x.shape[:-1]
         out = self.ops.quant_linear(
-            x.reshape(-1, self.in_features), self.q, self.scale, self.mn, self.bits, self.group, self.bias, self.int8_x
+            x.reshape(-1, self.in_features),
+            self.q,
+            self.scale,
+            self.mn,
+            self.bits,
+            self.group,
+            self.bias,
+            self.int8_x,
+            self.tiles,
         )
         return out.view(*lead, self.out_features)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Its tensors as `tandem_cpu.decode_layer` takes a linear: q, scale, mn, the tiles
+        where it has them, the bias where it has one (`fused_format` says which)."""
+        return [self.q, self.scale, self.mn] + [t for t in (self.tiles, self.bias) if t is not None]
+
+    def fused_format(self) -> list[int]:
+        """(bits, group, int8_x, tiled): `tandem_cpu.decode_layer`'s format of this linear."""
+        return [self.bits, self.group, int(self.int8_x), int(self.tiles is not None)]
+
     def nbytes(self) -> int:
+        """Bytes a call of few rows reads (the tiles serve more rows)."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.mn))
