@@ -83,8 +83,8 @@ struct Failure {
 };
 
 // Layers [0, L) of a decode batch in one OpenMP region: each kernel runs on every thread (its
-// Share of the output columns or attention tasks) or on thread 0 (the row-wise norms,
-// rotation, KV write and SiLU of a few rows, and the allocations), with a barrier after each,
+// Share of the output columns, attention tasks or rows: the rotation, KV write and SiLU) or on
+// thread 0 (the row-wise norms, and the allocations), with a barrier after each,
 // so the threads fork and join once per call instead of once per kernel. Each output element
 // is computed by one thread by the same code as the separate kernel calls, so the result is
 // theirs bit for bit.
@@ -110,17 +110,22 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
         h = residual.has_value() ? tandem_cpu::fused_add_rms_norm(hidden, *residual, layer.input_norm, step.eps)
                                  : tandem_cpu::rms_norm(hidden, layer.input_norm, step.eps);
         qkv = at::empty({n, layer.qkv.out()}, hidden.options());
-      });
-      phase(true, [&] { layer.qkv.into(h, qkv, share); });
-      phase(false, [&] {
-        TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: the QKV output does not match the heads");
-        at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({n, step.num_heads + step.num_kv_heads, head_dim});
-        tandem_cpu::rotary_embedding(qk, step.cos_sin);
-        at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache;
-        tandem_cpu::kv_write(k_cache, v_cache, step.slots, qk.narrow(1, step.num_heads, step.num_kv_heads),
-                             qkv.narrow(1, q_size + kv_size, kv_size).view({n, step.num_kv_heads, head_dim}));
         attn = at::empty({n, step.num_heads, head_dim}, hidden.options());
         o = at::empty({n, layer.o.out()}, hidden.options());
+      });
+      phase(true, [&] { layer.qkv.into(h, qkv, share); });
+      phase(true, [&] {  // each thread rotates and writes its share of the rows
+        TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: the QKV output does not match the heads");
+        share.run(n, 1, [&](int64_t r0, int64_t r1) {
+          const at::Tensor rows = r1 - r0 == n ? qkv : qkv.narrow(0, r0, r1 - r0);
+          const int64_t count = r1 - r0;
+          at::Tensor qk = rows.narrow(1, 0, q_size + kv_size).view({count, step.num_heads + step.num_kv_heads, head_dim});
+          tandem_cpu::rotary_embedding(qk, count == n ? step.cos_sin : step.cos_sin.narrow(0, r0, count));
+          at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache;
+          tandem_cpu::kv_write(k_cache, v_cache, count == n ? step.slots : step.slots.narrow(0, r0, count),
+                               qk.narrow(1, step.num_heads, step.num_kv_heads),
+                               rows.narrow(1, q_size + kv_size, kv_size).view({count, step.num_kv_heads, head_dim}));
+        });
       });
       phase(true, [&] {
         TORCH_CHECK(partial.numel() == tandem_cpu::decode_attention_partial_floats(n, step.num_heads, layer.k_cache,
@@ -135,11 +140,19 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
       phase(false, [&] {
         h2 = tandem_cpu::fused_add_rms_norm(o, hidden, layer.post_norm, step.eps);
         gu = at::empty({n, layer.gate_up.out()}, hidden.options());
+        act = at::empty({n, layer.gate_up.out() / 2}, hidden.options());
+        out = at::empty({n, layer.down.out()}, hidden.options());
       });
       phase(true, [&] { layer.gate_up.into(h2, gu, share); });
-      phase(false, [&] {
-        act = tandem_cpu::silu_and_mul(gu);
-        out = at::empty({n, layer.down.out()}, hidden.options());
+      phase(true, [&] {  // each thread its share of the rows
+        share.run(n, 1, [&](int64_t r0, int64_t r1) {
+          if (r1 - r0 == n) {
+            tandem_cpu::silu_and_mul_into(gu, act);
+          } else {
+            at::Tensor rows = act.narrow(0, r0, r1 - r0);
+            tandem_cpu::silu_and_mul_into(gu.narrow(0, r0, r1 - r0), rows);
+          }
+        });
       });
       phase(true, [&] { layer.down.into(act, out, share); });
       if (share.tid == 0) {  // the next layer's input; only thread 0's phases read these (no barrier needed)

@@ -203,11 +203,19 @@ at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const a
 
 // x [rows, 2 * d] (gate then up); returns silu(gate) * up, [rows, d], contiguous.
 at::Tensor silu_and_mul(const at::Tensor& x) {
+  auto out = at::empty({x.dim() == 2 ? x.size(0) : 0, x.dim() == 2 ? x.size(1) / 2 : 0}, x.options());
+  silu_and_mul_into(x, out);
+  return out;
+}
+
+// silu_and_mul into out [rows, d] (x's dtype, contiguous).
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
   check(x, x, "silu_and_mul");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: expected [rows, 2 * d]");
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
+              "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
   dispatch(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
-  return out;
 }
 
 // x [tokens, heads, head_dim] (any strides but the last), rotated in place by cos_sin

@@ -34,6 +34,7 @@ struct Share {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out);
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
