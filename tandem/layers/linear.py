@@ -33,6 +33,7 @@ from torch import nn
 from tandem.distributed import tensor_model_parallel_all_reduce
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 from tandem.layers.quantization.gguf_linear import (
+    QUANT_MAX_ROWS_ALL,
     BlockPart,
     QuantLinearKernel,
     is_gguf_tensor,
@@ -108,9 +109,19 @@ class LinearBase(nn.Module):
             )
         # GGUF types this layer serves dequantized only (no quantized kernel for them here)
         self.dequantized_types = {p.loaded.qtype.name for p in parts} if self.quant_kernel is None else set()
+        if self.serves_every_input():  # the blocks take prefill too: no dense copy to keep
+            self.kernel = None
+            if not keep_weight:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            return
         self.kernel = make_linear_kernel(self.weight.data, self._kernel_bias(), backend)
         if self.kernel is not None and not keep_weight:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def serves_every_input(self) -> bool:
+        """Whether the quantized kernel multiplies inputs of any row count (`quant_max_rows`),
+        so that the dense weight is not needed once loaded."""
+        return self.quant_kernel is not None and self.quant_kernel.max_rows >= QUANT_MAX_ROWS_ALL
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_kernel is not None and x.numel() <= self.quant_kernel.max_rows * x.shape[-1]:

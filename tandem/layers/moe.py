@@ -36,6 +36,7 @@ from tandem.layers.activation import SiluAndMul
 from tandem.layers.linear import divide
 from tandem.layers.linear_kernel import LinearKernel, make_linear_kernel
 from tandem.layers.quantization.gguf_linear import (
+    QUANT_MAX_ROWS_ALL,
     BlockPart,
     QuantLinearKernel,
     is_gguf_tensor,
@@ -185,6 +186,9 @@ class FusedMoE(nn.Module):
                 elif backend == "auto":  # a GGUF file's blocks, where they have a layout
                     quant = QuantLinearKernel.build(parts[e], weight, None, int8_x)
                     self.on_file_blocks += quant is not None
+                if quant is not None and quant.max_rows >= QUANT_MAX_ROWS_ALL:
+                    kernels.append(quant)  # every input takes the blocks: no dense copy
+                    continue
                 dense = make_linear_kernel(weight, None, backend)
                 kernels.append(_rows_dispatch(quant, dense, weight) if quant is not None else dense)
             per_proj.append(kernels)

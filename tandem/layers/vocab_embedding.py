@@ -10,7 +10,8 @@ holds rows `[r * shard, (r + 1) * shard)`; rows past the real vocabulary are zer
 A head tied to the embedding shares its parameter: both are split the same way.
 
 An embedding loaded from GGUF blocks that has a packed layout (`gguf_repack`) and is not
-shared with the head keeps only those blocks (`finish_loading`)
+shared with the head (or whose tied head multiplies its own copy of the blocks for every
+input: `LinearBase.serves_every_input`) keeps only those blocks (`finish_loading`)
 and dequantizes the rows a forward looks up: the same values as the dense table (both are
 `Packed.dequantize` rounded to the dtype), a quarter to a half of its memory (a Llama 3
 vocabulary of 128,256 x 4,096 in Q4_K: 0.4 GB of blocks instead of 1 GB of bfloat16).

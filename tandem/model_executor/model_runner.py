@@ -31,6 +31,7 @@ from tandem.model_executor.model_loader import initialize_dummy_weights, iterate
 from tandem.models.context import ModelContext
 from tandem.models.registry import resolve_model_class
 from tandem.server_args import ServerArgs
+from tandem.utils.process import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ class ModelRunner:
         # are), float32 ones too, unless float32 was asked for by name: then they stay exact.
         int8_x = self.server_args.dtype != "float32"
         model.process_weights_after_loading(self.server_args.linear_backend, self.server_args.quantization, int8_x)
+        release_free_heap()
         return model.eval()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:

@@ -509,7 +509,10 @@ class CausalLM(nn.Module):
         place_in_huge_pages([m.quant_kernel for _, m in linears if m.quant_kernel is not None])
         for layer in self.model.layers:
             layer.prepare_fused_decode()
-        self.model.embed_tokens.finish_loading(shared_with_head=self.tie_word_embeddings)
+        # a tied head whose blocks take every input leaves the table to the embedding alone
+        self.model.embed_tokens.finish_loading(
+            shared_with_head=self.tie_word_embeddings and not self.lm_head.serves_every_input()
+        )
         if dequantized and linear_backend == "auto":
             logger.info(
                 "GGUF tensors of type %s run dequantized (no quantized CPU kernel for them here)",

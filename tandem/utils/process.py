@@ -43,6 +43,18 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable")
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`): after the weights
+    load, the dense copies and file buffers that were freed stay in the process's resident
+    memory otherwise (the default model's Q4_0 file: 995 -> 726 MB resident)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - another C library
+        pass
+
+
 def ignore_stop_signals() -> None:
     """For subprocesses: ignore SIGINT and SIGTERM, which a terminal (Ctrl-C) or a
     service manager sends to the whole process group. The main process drains and then

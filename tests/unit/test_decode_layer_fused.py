@@ -15,6 +15,7 @@ from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.linear import LinearBase
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.tools.make_tiny_model import make_tiny_model
 
@@ -144,3 +145,31 @@ def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_fi
         op(hidden, weights, layout, *args, heads + 1, kv_heads)
     out, residual = op(hidden, weights, layout, *args, heads, kv_heads)
     assert out.shape == residual.shape == hidden.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's head is tied to the embedding
+def test_blocks_that_take_every_input_leave_no_dense_copy(gguf_files, arch):
+    """bfloat16 on an AVX-512 VNNI build without AMX: the quantized kernels take every input
+    (prefill too: `QUANT_MAX_ROWS_ALL`), so no layer keeps its dense weight or a oneDNN copy,
+    each keeps its stored tiles, and a tied head leaves the table to the embedding's blocks;
+    elsewhere the dense copies stay for prefill. Prefill and decode give the tokens of the
+    Python layers either way (the test above)."""
+    runner = make_runner(gguf_files[arch], dtype="bfloat16")
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase) and m.quant_kernel is not None]
+    every = (
+        cpu_kernels.load().quant_linear_isa().startswith("avx512_vnni")
+        and not torch.cpu._is_amx_tile_supported()
+        and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    )
+    assert linears and all(m.serves_every_input() == every for m in linears)
+    for m in linears:
+        if every:
+            assert m.kernel is None and m.weight.numel() == 0 and m.quant_kernel.tiles is not None
+        else:
+            assert m.weight.numel() > 0 or m.kernel is not None
+    assert model.config.tie_word_embeddings == (arch == "qwen2")
+    if every and model.config.tie_word_embeddings:
+        assert model.model.embed_tokens.packed is not None and model.model.embed_tokens.weight.numel() == 0
+    ids, _ = greedy_steps(runner, PROMPTS, 2)
+    assert [len(i) for i in ids] == [2] * len(PROMPTS)

@@ -235,6 +235,7 @@ def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch, dtype, int8_
     if int8_path and vnni and not torch.cpu._is_amx_tile_supported():
         limit = 300  # any count: QUANT_MAX_ROWS_ALL
         assert layer.quant_kernel.max_rows == QUANT_MAX_ROWS_ALL
+        assert layer.kernel is None and layer.weight.numel() == 0  # so no dense copy is kept
     else:
         limit = QUANT_MAX_ROWS_INT8 if int8_path and (vnni or not dense_bf16) else QUANT_MAX_ROWS
         assert layer.quant_kernel.max_rows == limit
