@@ -36,6 +36,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -378,11 +379,13 @@ constexpr int kGemmBlock = 4;
 constexpr int kSubs = kTileRows / 16;  // vectors of 16 outputs per tile
 
 // Rows of x rounded to int8 as quantize_x rounds them, kept in column order: qx[r * stride + k],
-// d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g.
+// d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g, isum[r * G + g] =
+// that sum(qx) itself.
 struct RowsX {
   int64_t stride = 0, blocks = 0, G = 0;
   std::vector<int8_t> qx;
   std::vector<float> d, gsum;
+  std::vector<int32_t> isum;
 };
 
 template <typename T>
@@ -394,23 +397,48 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
   X.qx.assign(R * X.stride, 0);
   X.d.assign(R * X.blocks, 0.f);
   X.gsum.assign(R * X.G, 0.f);
+  X.isum.assign(R * X.G, 0);
   for (int64_t r = 0; r < R; ++r) {
     int8_t* qx = X.qx.data() + r * X.stride;
     float* d = X.d.data() + r * X.blocks;
     quantize_row(x + r * stride, K, qx, d);
     group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
+    for (int64_t g = 0; g < X.G; ++g) {
+      int sum = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+      X.isum[r * X.G + g] = sum;
+    }
   }
   return X;
+}
+
+// c where every offset of a tile is -c times its scale (mn = -c * scale: the weights are
+// scale * (q - c), as Q4_0's q - 8 and the 8-bit layout's Q8_0 q - 128), an integer in [0, 255];
+// else -1. Such a tile's integer sums take -c * sum(qx) (exact) instead of a float term.
+inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count) {
+  float c = -1.f;
+  for (int64_t i = 0; i < count; ++i) {
+    if (ws[i] == 0.f) {
+      if (wmn[i] != 0.f) return -1;
+      continue;
+    }
+    if (c < 0.f) {
+      c = -wmn[i] / ws[i];
+      if (!(c >= 0.f && c <= 255.f) || c != std::nearbyint(c)) return -1;
+    }
+    if (-c * ws[i] != wmn[i]) return -1;
+  }
+  return c < 0.f ? 0 : static_cast<int32_t>(c);
 }
 
 // Weight rows [n, n + rows) (rows <= kTileRows; the lanes past them zero) transposed (and the `ahead`
 // bytes after them prefetched): vector
 // w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
 // their scales and offsets as floats: ws[kTileRows * g + i], wmn[kTileRows * g + i] of row n + i
-// (`flat`: scratch of kTileRows * G rounded up to 16 floats).
+// (`flat`: scratch of kTileRows * G rounded up to 16 floats). Returns symmetric_offset of the tile.
 template <int BITS, int GROUP, typename S>
-void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
-               __m512i* w, float* ws, float* wmn, float* flat, int64_t ahead) {
+int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
+                  __m512i* w, float* ws, float* wmn, float* flat, int64_t ahead) {
   // the next tile's bytes (`ahead` of them, right after this tile's), asked for a share per group:
   // all at once overran the outstanding misses a core keeps
   const char* next = reinterpret_cast<const char*>(q + (n + rows) * row_bytes);
@@ -477,12 +505,15 @@ void gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes,
         for (int c = 0; c < 16 && g0 + c < G; ++c) store16(dst + kTileRows * (g0 + c) + 16 * sub, v[c]);
       }
   }
+  return symmetric_offset(ws, wmn, kTileRows * G);
 }
 
-// Rows [r0, r0 + NR) of x times the tile (weight rows [n, n + rows)): y[r * N + n + i].
-template <int GROUP, int NR, typename T>
-void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, const float* wmn, const float* bias,
-                T* y, int64_t N, int64_t n, int rows) {
+// Rows [r0, r0 + NR) of x times the tile (weight rows [n, n + rows)): y[r * N + n + i]. A
+// symmetric tile (sym = its offset c >= 0) starts each group's integer sums at -c * sum(qx), so
+// that they are sum((q - c) * qx), and adds no offset term.
+template <int GROUP, int NR, bool SYM, typename T>
+void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, const float* wmn, int32_t sym,
+                const float* bias, T* y, int64_t N, int64_t n, int rows) {
   constexpr int kVectors = GROUP / 4;
   const int64_t G = X.G;
   __m512 acc[NR][kSubs];
@@ -491,8 +522,10 @@ void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, c
   const int8_t* qx = X.qx.data() + r0 * X.stride;
   for (int64_t g = 0; g < G; ++g) {
     __m512i isum[NR][kSubs];
-    for (int r = 0; r < NR; ++r)
-      for (int s = 0; s < kSubs; ++s) isum[r][s] = _mm512_setzero_si512();
+    for (int r = 0; r < NR; ++r) {
+      const __m512i start = SYM ? _mm512_set1_epi32(-sym * X.isum[(r0 + r) * G + g]) : _mm512_setzero_si512();
+      for (int s = 0; s < kSubs; ++s) isum[r][s] = start;
+    }
 #pragma GCC unroll 8
     for (int v = 0; v < kVectors; ++v) {
       __m512i wv[kSubs];
@@ -508,11 +541,13 @@ void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, c
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
-      const __m512 gs = _mm512_set1_ps(X.gsum[(r0 + r) * G + g]);
       for (int s = 0; s < kSubs; ++s) {
-        const __m512 sc = _mm512_loadu_ps(ws + kTileRows * g + 16 * s), m = _mm512_loadu_ps(wmn + kTileRows * g + 16 * s);
+        const __m512 sc = _mm512_loadu_ps(ws + kTileRows * g + 16 * s);
         acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][s]), _mm512_mul_ps(sc, dx), acc[r][s]);
-        acc[r][s] = _mm512_fmadd_ps(m, gs, acc[r][s]);
+        if constexpr (!SYM) {
+          const __m512 gs = _mm512_set1_ps(X.gsum[(r0 + r) * G + g]);
+          acc[r][s] = _mm512_fmadd_ps(_mm512_loadu_ps(wmn + kTileRows * g + 16 * s), gs, acc[r][s]);
+        }
       }
     }
   }
@@ -538,9 +573,10 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 
 // Bytes of one stored tile (quant_tiles): gemm_tile's vectors, then its scales and offsets
-// (kTileRows * G float32 each); a multiple of 64.
+// (kTileRows * G float32 each), then 64 bytes whose first int32 is its symmetric_offset; a
+// multiple of 64.
 inline int64_t tile_vector_bytes(int64_t G, int64_t group) { return G * (group / 4) * kSubs * 64; }
-inline int64_t tile_bytes(int64_t G, int64_t group) { return tile_vector_bytes(G, group) + 2 * kTileRows * G * 4; }
+inline int64_t tile_bytes(int64_t G, int64_t group) { return tile_vector_bytes(G, group) + 2 * kTileRows * G * 4 + 64; }
 
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
 // each tile multiplied by every row block of x. The tiles are transposed here, or read as
@@ -557,11 +593,13 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     const __m512i* w;
     const float* ws;
+    int32_t sym;
     if (tiles) {  // the next stored tile asked for while this one computes (the first row block reads it)
       const uint8_t* tile = tiles + t * stored_bytes;
       if (t + 1 < t1) prefetch_bytes(tile + stored_bytes, stored_bytes);
       w = reinterpret_cast<const __m512i*>(tile);
       ws = reinterpret_cast<const float*>(tile + vector_bytes);
+      std::memcpy(&sym, ws + 2 * kTileRows * G, sizeof(sym));
     } else {
       if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
         const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
@@ -569,19 +607,27 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
         prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
       }
       const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
-      gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(), scratch_s.data(),
-                                scratch_s.data() + kTileRows * G, flat.data(), ahead);
+      sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(), scratch_s.data(),
+                                      scratch_s.data() + kTileRows * G, flat.data(), ahead);
       w = scratch.data();
       ws = scratch_s.data();
     }
     const float* wmn = ws + kTileRows * G;
-    for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
-      switch (std::min<int64_t>(kGemmBlock, R - r0)) {
-        case 1: gemm_block<GROUP, 1, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
-        case 2: gemm_block<GROUP, 2, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
-        case 3: gemm_block<GROUP, 3, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
-        default: gemm_block<GROUP, 4, T>(X, r0, w, ws, wmn, bias, y, N, n, rows); break;
+    auto blocks = [&](auto symmetric) {
+      constexpr bool SYM = decltype(symmetric)::value;
+      for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
+        switch (std::min<int64_t>(kGemmBlock, R - r0)) {
+          case 1: gemm_block<GROUP, 1, SYM, T>(X, r0, w, ws, wmn, sym, bias, y, N, n, rows); break;
+          case 2: gemm_block<GROUP, 2, SYM, T>(X, r0, w, ws, wmn, sym, bias, y, N, n, rows); break;
+          case 3: gemm_block<GROUP, 3, SYM, T>(X, r0, w, ws, wmn, sym, bias, y, N, n, rows); break;
+          default: gemm_block<GROUP, 4, SYM, T>(X, r0, w, ws, wmn, sym, bias, y, N, n, rows); break;
+        }
       }
+    };
+    if (sym >= 0) {
+      blocks(std::true_type{});
+    } else {
+      blocks(std::false_type{});
     }
   }
 }
@@ -598,8 +644,10 @@ void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64
       uint8_t* tile = tiles + t * stored_bytes;
       float* ws = reinterpret_cast<float*>(tile + vector_bytes);
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - kTileRows * t));
-      gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows, reinterpret_cast<__m512i*>(tile), ws,
-                                ws + kTileRows * G, flat.data(), 0);
+      const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
+                                                    reinterpret_cast<__m512i*>(tile), ws, ws + kTileRows * G, flat.data(), 0);
+      std::memset(ws + 2 * kTileRows * G, 0, 64);
+      std::memcpy(ws + 2 * kTileRows * G, &sym, sizeof(sym));
     }
   });
 }
