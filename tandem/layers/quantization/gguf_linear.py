@@ -172,7 +172,7 @@ class QuantLinearKernel:
         self.out_features, self.in_features = packed.rows, packed.cols
         # Where the build multiplies many rows by transposed weight tiles (AVX-512 VNNI), the
         # tiles stored once here instead of transposed on every call of more than QUANT_MAX_ROWS
-        # rows (`quant_tiles`; same results): 1.25 bytes a weight more.
+        # rows (`quant_tiles`; same results): 1.25 bytes a weight more (1.5 for 8-bit groups of 16).
         tiles = (
             ops.quant_tiles(self.q, self.scale, self.mn, self.bits, self.group) if max_rows > QUANT_MAX_ROWS else None
         )
