@@ -1,6 +1,6 @@
 """A decode step on this tree's C++ CPU kernels against the same step on another commit's,
 alternated in one process: `python benchmarks/kernel_ab.py --base COMMIT [--model-path FILE]
-[--batch-size N] [--input-len N] [--steps N]`.
+[--batch-size N] [--input-len N] [--steps N] [--prefill]`.
 
 On a shared, noisy machine two runs one after another differ by more than most kernel
 changes do; steps alternated every `--block` steps within one process see the same noise.
@@ -10,8 +10,9 @@ RTLD_LOCAL, so neither's calls bind to the other's functions). One model (`OneBa
 greedy, EOS ignored) then runs its decode steps switching, every block, what calls the
 kernels: the quantized linears (`QuantLinearKernel.ops`, the LM head's among them) and the
 decoder layers' one-call stack (`decode_layers`). Other kernel calls (a model whose layers
-do not run fused) stay on this tree's. Prints per side the min, p10, p25 and median step
-(ms) and the median ratio.
+do not run fused) stay on this tree's. With `--prefill` the steps measured are prefills of
+the batch's prompts instead (each a fresh batch, released after). Prints per side the min,
+p10, p25 and median step (ms) and the median ratio.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=900, help="decode steps measured (half on each side)")
     parser.add_argument("--block", type=int, default=5, help="steps on one side before switching")
+    parser.add_argument("--prefill", action="store_true", help="measure prefills of the prompts, not decode steps")
     args = parser.parse_args()
 
     ours = cpu_kernels.load()
@@ -88,6 +90,9 @@ def main() -> int:
     bench._step(reqs, ForwardMode.EXTEND)
     for _ in range(20):
         bench._step(reqs, ForwardMode.DECODE)
+    if args.prefill:  # their rows back for the prefills' fresh batches
+        for req in reqs:
+            bench.kv.release(req)
     model = bench.runner.model
     kernels = [k for m in model.modules() if isinstance(k := getattr(m, "quant_kernel", None), QuantLinearKernel)]
     stack_owner = next(
@@ -98,6 +103,14 @@ def main() -> int:
     if stack_owner is not None:
         fused, stack = stack_owner._stack_cache
         ours_stack, base_stack = (fused, stack), (fused, (base.decode_layers, *stack[1:]))
+    def prefill() -> float:
+        fresh = bench._make_reqs(args.batch_size, args.input_len, 2)
+        try:
+            return bench._step(fresh, ForwardMode.EXTEND)
+        finally:
+            for req in fresh:
+                bench.kv.release(req)
+
     sides = {"this tree": (ours, ours_stack), f"base {args.base}": (base, base_stack)}
     steps: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(args.steps // args.block):
@@ -107,11 +120,11 @@ def main() -> int:
             kernel.ops = ops
         if cache is not None:
             stack_owner._stack_cache = cache
-        steps[name] += [bench._step(reqs, ForwardMode.DECODE) for _ in range(args.block)]
+        steps[name] += [prefill() if args.prefill else bench._step(reqs, ForwardMode.DECODE) for _ in range(args.block)]
     print(
         f"{Path(args.model_path).name}, batch {args.batch_size}, prompts {args.input_len}, "
         f"{torch.get_num_threads()} threads, {len(kernels)} quantized linears, "
-        f"decode stack {'swapped' if stack_owner is not None else 'not used'}"
+        f"decode stack {'swapped' if stack_owner is not None else 'not used'}{', prefills' if args.prefill else ''}"
     )
     for name, values in steps.items():
         print(f"  {name}: {quantiles(values)} ms")

@@ -78,7 +78,9 @@ def run(runner, prompts, mode: str):
             del layer.forward_fused
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+# 3: shares of unequal size; 8: more threads than a CI machine's cores (threads preempted
+# inside the region's phases)
+@pytest.fixture(params=[1, 2, 3, 8], ids=["1-thread", "2-threads", "3-threads", "8-threads"])
 def threads(request):
     saved = torch.get_num_threads()
     torch.set_num_threads(request.param)

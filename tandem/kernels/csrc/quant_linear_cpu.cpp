@@ -398,17 +398,21 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
   X.d.assign(R * X.blocks, 0.f);
   X.gsum.assign(R * X.G, 0.f);
   X.isum.assign(R * X.G, 0);
-  for (int64_t r = 0; r < R; ++r) {
-    int8_t* qx = X.qx.data() + r * X.stride;
-    float* d = X.d.data() + r * X.blocks;
-    quantize_row(x + r * stride, K, qx, d);
-    group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
-    for (int64_t g = 0; g < X.G; ++g) {
-      int sum = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-      X.isum[r * X.G + g] = sum;
+  // Rows split over PyTorch's threads (prefill's many rows; inside decode_layers' region, where
+  // every thread needs all rows, at::parallel_for runs them on the calling thread).
+  at::parallel_for(0, R, std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* qx = X.qx.data() + r * X.stride;
+      float* d = X.d.data() + r * X.blocks;
+      quantize_row(x + r * stride, K, qx, d);
+      group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
+      for (int64_t g = 0; g < X.G; ++g) {
+        int sum = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+        X.isum[r * X.G + g] = sum;
+      }
     }
-  }
+  });
   return X;
 }
 
