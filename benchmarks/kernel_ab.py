@@ -103,6 +103,7 @@ def main() -> int:
     if stack_owner is not None:
         fused, stack = stack_owner._stack_cache
         ours_stack, base_stack = (fused, stack), (fused, (base.decode_layers, *stack[1:]))
+
     def prefill() -> float:
         fresh = bench._make_reqs(args.batch_size, args.input_len, 2)
         try:
