@@ -61,10 +61,6 @@ struct Rows {
   T* operator[](int64_t r) const { return base + (r / b_size) * a_stride + (r % b_size) * b_stride; }
 };
 
-// Rows per parallel task: at least ~16K elements, below which a second thread costs more
-// than it saves.
-inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
-
 // out = round(round(x * rsqrt(mean(x^2) + eps)) * weight), Hugging Face's LlamaRMSNorm.
 template <typename T>
 inline void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
@@ -85,7 +81,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
   const Rows<T> in = Rows<T>::of(x);
   T* out_ptr = out.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, in.count, grain(in.width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.count, tandem_cpu::row_grain(in.width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(in[r], w, out_ptr + r * in.width, in.width, eps);
   });
 }
@@ -96,7 +92,7 @@ void fused_add_rms_norm_impl(at::Tensor& x, const at::Tensor& residual, const at
   const Rows<T> sum = Rows<T>::of(x), res = Rows<T>::of(residual);
   T* out_ptr = out.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, sum.count, grain(sum.width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, sum.count, tandem_cpu::row_grain(sum.width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* s = sum[r];
       const T* rr = res[r];
@@ -117,7 +113,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const Rows<T> in = Rows<T>::of(x);
   const int64_t d = in.width / 2;
   T* out_ptr = out.data_ptr<T>();
-  at::parallel_for(0, in.count, grain(in.width), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.count, tandem_cpu::row_grain(in.width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in[r];
       const T* up = gate + d;
@@ -137,7 +133,7 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos_sin) {
   const Rows<T> rows = Rows<T>::of(x);
   const int64_t rot = cos_sin.size(2), half = rot / 2, heads = rows.b_size;
   const T* table = cos_sin.data_ptr<T>();
-  at::parallel_for(0, rows.count, grain(rot), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows.count, tandem_cpu::row_grain(rot), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = rows[r];
       const T* cos = table + (r / heads) * 2 * rot;

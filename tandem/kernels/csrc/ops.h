@@ -11,6 +11,10 @@
 
 namespace tandem_cpu {
 
+// Rows of `width` elements per parallel task: at least ~16K elements, below which a second
+// thread costs more than it saves.
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
 // Where a kernel's range of work runs: split over PyTorch's threads by at::parallel_for (the
 // default), or, for a kernel called by every thread of one OpenMP region (decode_layers: one
 // region for a whole decode step instead of a fork and join per kernel), this thread's

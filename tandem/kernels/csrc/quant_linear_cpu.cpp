@@ -400,7 +400,7 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
   X.isum.assign(R * X.G, 0);
   // Rows split over PyTorch's threads (prefill's many rows; inside decode_layers' region, where
   // every thread needs all rows, at::parallel_for runs them on the calling thread).
-  at::parallel_for(0, R, std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, tandem_cpu::row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* qx = X.qx.data() + r * X.stride;
       float* d = X.d.data() + r * X.blocks;
