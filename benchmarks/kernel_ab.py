@@ -8,8 +8,9 @@ The base commit's kernel sources (tandem/kernels/csrc at COMMIT) are built as a 
 library whose ops are registered as `torch.ops.tandem_base` (both libraries are loaded
 RTLD_LOCAL, so neither's calls bind to the other's functions). One model (`OneBatchBench`,
 greedy, EOS ignored) then runs its decode steps switching, every block, what calls the
-kernels: the quantized linears (`QuantLinearKernel.ops`, the LM head's among them) and the
-decoder layers' one-call stack (`decode_layers`). Other kernel calls (a model whose layers
+kernels: the quantized linears (`QuantLinearKernel.ops`, the LM head's among them, with the
+weight tiles that side's `quant_tiles` stores) and the decoder layers' one-call stack
+(`decode_layers`). Other kernel calls (a model whose layers
 do not run fused) stay on this tree's. With `--prefill` the steps measured are prefills of
 the batch's prompts instead (each a fresh batch, released after). Prints per side the min,
 p10, p25 and median step (ms) and the median ratio.
@@ -32,6 +33,7 @@ from tandem.bench_one_batch import parse_args as bench_args
 from tandem.forward_batch import ForwardMode
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.quantization.gguf_linear import QuantLinearKernel
+from tandem.utils.huge_pages import HugePageArena
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "tandem/kernels/csrc"
@@ -99,10 +101,21 @@ def main() -> int:
         (m for m in model.modules() if getattr(m, "_stack_cache", None) is not None and m._stack_cache[1] is not None),
         None,
     )
+    # Each side reads the weight tiles its own quant_tiles stores (their layout may differ).
+    ours_tiles = [k.tiles for k in kernels]
+    base_tiles = [
+        None if t is None else base.quant_tiles(k.q, k.scale, k.mn, k.bits, k.group)
+        for k, t in zip(kernels, ours_tiles)
+    ]
+    if any(t is not None for t in base_tiles):  # in huge pages, as the layer's own (place_in_huge_pages)
+        arena = HugePageArena(HugePageArena.size_of([t for t in base_tiles if t is not None]))
+        base_tiles = [None if t is None else arena.take(t) for t in base_tiles]
+    swap = {id(t): b for t, b in zip(ours_tiles, base_tiles) if t is not None}
     ours_stack = base_stack = None
     if stack_owner is not None:
         fused, stack = stack_owner._stack_cache
-        ours_stack, base_stack = (fused, stack), (fused, (base.decode_layers, *stack[1:]))
+        base_weights = [swap.get(id(w), w) for w in stack[1]]
+        ours_stack, base_stack = (fused, stack), (fused, (base.decode_layers, base_weights, *stack[2:]))
 
     def prefill() -> float:
         fresh = bench._make_reqs(args.batch_size, args.input_len, 2)
@@ -112,13 +125,13 @@ def main() -> int:
             for req in fresh:
                 bench.kv.release(req)
 
-    sides = {"this tree": (ours, ours_stack), f"base {args.base}": (base, base_stack)}
+    sides = {"this tree": (ours, ours_stack, ours_tiles), f"base {args.base}": (base, base_stack, base_tiles)}
     steps: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(args.steps // args.block):
         name = list(sides)[block % 2]
-        ops, cache = sides[name]
-        for kernel in kernels:
-            kernel.ops = ops
+        ops, cache, tiles = sides[name]
+        for kernel, t in zip(kernels, tiles):
+            kernel.ops, kernel.tiles = ops, t
         if cache is not None:
             stack_owner._stack_cache = cache
         steps[name] += [prefill() if args.prefill else bench._step(reqs, ForwardMode.DECODE) for _ in range(args.block)]

@@ -5,7 +5,8 @@
 weight's stored tiles (`with_tiles`).
 
 `python tests/quant_kernel_checks.py --digests LIB` loads the kernel library LIB (a .so that
-`tandem.kernels.cpu.build` made) and prints `output_digests` of its quant_linear as JSON: how
+`tandem.kernels.cpu.build` made) and prints `output_digests` of its quant_linear, without and
+with the weights' stored tiles, as JSON: how
 tests/data/quant_linear_avx512_vnni.json, the AVX-512 VNNI path's bit-exact outputs, is made
 from a build of the kernel whose outputs are to be kept.
 """
@@ -156,8 +157,12 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "--digests":
         torch.ops.load_library(sys.argv[2])
-        digests = output_digests(torch.ops.tandem_cpu.quant_linear)
-        print(json.dumps({"isa": torch.ops.tandem_cpu.quant_linear_isa(), "digests": digests}, indent=1))
+        ops = torch.ops.tandem_cpu
+        digests = {
+            "digests": output_digests(ops.quant_linear),
+            "digests with stored tiles": output_digests(with_tiles(ops)),
+        }
+        print(json.dumps({"isa": ops.quant_linear_isa(), **digests}, indent=1))
         sys.exit(0)
 
     torch.ops.load_library(str(cpu.build(sources=(cpu.CSRC / "quant_linear_cpu.cpp",), march=sys.argv[1])))

@@ -77,26 +77,37 @@ def test_extreme_bytes(kernel):
     check_extreme_bytes(KERNELS[kernel](), ops.quant_linear_isa())
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])  # the three layouts: 4-bit, 8-bit by 32, 8-bit by 16
+# the layouts: 4-bit (symmetric or not), 8-bit by 32 and by 16
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_stored_tiles_give_the_same_outputs(name):
     """Where the build has the many-rows path (AVX-512 VNNI), `quant_tiles` stores each tile of
     32 weight rows as that path transposes it per call: outputs with and without them are
-    bit-identical for every row count (few rows never read them), on a partial last tile;
-    tiles of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which
-    the kernel ignores."""
+    bit-identical from 8 rows on, on a partial last tile. Fewer rows of a 4-bit weight are
+    multiplied by its packed tiles (the same integer products, summed in another order: within
+    float32 rounding of the row kernel's), of 8-bit weights by the row kernel (identical). Tiles
+    of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which the
+    kernel ignores."""
     rows, cols = 75, 512
     packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    vnni = ops.quant_linear_isa().startswith("avx512_vnni")
     for scales in (torch.float32, torch.float16):
         q, scale, mn = torch.from_numpy(packed.q), *(torch.from_numpy(a).to(scales) for a in (packed.scale, packed.mn))
         tiles = ops.quant_tiles(q, scale, mn, packed.bits, packed.group)
-        if not ops.quant_linear_isa().startswith("avx512_vnni"):
+        if not vnni:
             assert tiles.numel() == 0
         else:
-            assert tiles.shape[0] == 3 and tiles.dtype == torch.uint8
-        for n in (1, 7, 8, 9, 33, 64, 130):
-            x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-            plain = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group)
-            assert torch.equal(ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, False, tiles), plain)
+            assert tiles.dim() == 1 and tiles.numel() > 0 and tiles.dtype == torch.uint8
+        for n in (1, 3, 7, 8, 9, 33, 64, 130):
+            x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+            plain = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False)
+            tiled = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False, tiles)
+            if n >= 8 or packed.bits == 8 or not vnni:
+                assert torch.equal(tiled, plain)
+            else:  # float32 sums compared: the bfloat16 outputs are these rounded once
+                plain32 = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, True)
+                tiled32 = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, True, tiles)
+                assert not torch.equal(tiled32, plain32)  # summed in another order: the packed tiles ran
+                torch.testing.assert_close(tiled32, plain32, rtol=1e-5, atol=1e-5 * plain32.abs().max().item())
     if tiles.numel():
         with pytest.raises(RuntimeError, match="tiles must be quant_tiles of this weight"):
             ops.quant_linear(
@@ -120,7 +131,8 @@ def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel(kernel):
         pytest.skip(f"this build's path is {isa}: the digests are the AVX-512 VNNI path's")
     expected = json.loads((Path(__file__).parents[1] / "data" / "quant_linear_avx512_vnni.json").read_text())
     got = output_digests(KERNELS[kernel]())
-    changed = sorted(case for case, digest in expected["digests"].items() if got.get(case) != digest)
+    want = expected["digests with stored tiles" if kernel == "stored tiles" else "digests"]
+    changed = sorted(case for case, digest in want.items() if got.get(case) != digest)
     assert not changed, f"outputs changed for {changed} (made from: {expected['made_from']})"
 
 

@@ -25,7 +25,9 @@
 // Output rows (N) are split over PyTorch's OpenMP threads; the int8 paths read each weight byte
 // from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
 // up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
-// tile of weight rows once so that every int32 lane is one output (gemm_rows, below).
+// tile of weight rows once so that every int32 lane is one output (gemm_rows, below); below
+// that, given the tiles stored at load (quant_tiles), 4-bit weights are read from packed tiles
+// of the same order (gemv_rows): the row kernel's products, summed in another order.
 // `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
@@ -377,6 +379,8 @@ void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale,
 constexpr int64_t kGemmRows = 8;
 constexpr int kGemmBlock = 4;
 constexpr int kSubs = kTileRows / 16;  // vectors of 16 outputs per tile
+// Vectors per group and 16 outputs of a packed tile (gemv_rows): the group's bytes, 4 per lane.
+constexpr int packed_vectors(int bits, int group) { return (bits == 4 ? group / 2 : group) / 4; }
 
 // Rows of x rounded to int8 as quantize_x rounds them, kept in column order: qx[r * stride + k],
 // d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g, isum[r * G + g] =
@@ -440,7 +444,7 @@ inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count
 // w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
 // their scales and offsets as floats: ws[kTileRows * g + i], wmn[kTileRows * g + i] of row n + i
 // (`flat`: scratch of kTileRows * G rounded up to 16 floats). Returns symmetric_offset of the tile.
-template <int BITS, int GROUP, typename S>
+template <int BITS, int GROUP, typename S, bool PACKED = false>
 int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
                   __m512i* w, float* ws, float* wmn, float* flat, int64_t ahead) {
   // the next tile's bytes (`ahead` of them, right after this tile's), asked for a share per group:
@@ -448,7 +452,7 @@ int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_byt
   const char* next = reinterpret_cast<const char*>(q + (n + rows) * row_bytes);
   const int64_t lines = (ahead + 63) / 64, per_group = (lines + G - 1) / std::max<int64_t>(G, 1);
   constexpr int64_t kGroupBytes = BITS == 4 ? GROUP / 2 : GROUP;
-  constexpr int kVectors = GROUP / 4;
+  constexpr int kVectors = PACKED ? packed_vectors(BITS, GROUP) : GROUP / 4;
   static const uint8_t zeros[32] = {};
   const uint8_t* base[kTileRows];
   int64_t step[kTileRows];
@@ -479,7 +483,9 @@ int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_byt
                               _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
         __m512i* out = w + g * kVectors * kSubs + sub;
         for (int m = 0; m < 4; ++m) {
-          if constexpr (BITS == 4) {  // dword m: columns 32g + 4m .. (low nibbles), 32g + 16 + 4m .. (high)
+          if constexpr (BITS == 4 && PACKED) {  // dword m: both nibbles of bytes 4m .. 4m + 3
+            _mm512_store_si512(out + m * kSubs, b[m]);
+          } else if constexpr (BITS == 4) {  // dword m: columns 32g + 4m .. (low nibbles), 32g + 16 + 4m .. (high)
             _mm512_store_si512(out + m * kSubs, _mm512_and_si512(b[m], low4));
             _mm512_store_si512(out + (4 + m) * kSubs, _mm512_and_si512(_mm512_srli_epi16(b[m], 4), low4));
           } else {  // columns GROUP * g + 16h + 4m ..
@@ -636,10 +642,173 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
   }
 }
 
+// ---- Few rows: packed weight tiles (decode) ----------------------------------------------
+// Below kGemmRows rows of x, where a 4-bit weight's tiles were stored at load (quant_tiles), the
+// rows meet packed tiles: the same 32 weight rows and dword order as gemm_tile's, but the
+// bytes kept whole (both nibbles: the low ones meet x's columns 32g + 4v .., the high
+// ones 32g + 16 + 4v ..) and the scales and offsets in the layout's own dtype, so a decode step
+// reads no more bytes than the row layout, with every int32 lane one output: no per-chunk scale
+// shuffles and no horizontal sums. Everything a tile holds is read in the order it is stored
+// (one stream: regions skipped or read out of order halved what the hardware prefetcher
+// delivered to one core, 27 -> 12 GB/s). A packed tile: 64 bytes whose first int32 is its
+// symmetric_offset, then per group g its vectors (packed_vectors x kSubs), the kTileRows scales
+// and, where some tile of the weight is not symmetric (`with_mn`), the kTileRows offsets (each
+// rounded up to 64 bytes).
+constexpr int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+inline int64_t packed_group_bytes(int bits, int group, int64_t scale_bytes, bool with_mn) {
+  return packed_vectors(bits, group) * kSubs * 64 + (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
+}
+inline int64_t packed_tile_bytes(int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
+  return 64 + G * packed_group_bytes(bits, group, scale_bytes, with_mn);
+}
+
+inline __m512 load16_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rows [r0, r0 + NR) of x times one packed tile (weight rows [n, n + rows)): y[r * N + n + i].
+// Two integer sums per output and group (the low and the high nibbles, or the even and odd
+// dwords of 8-bit weights) keep two dependency chains; a symmetric tile (sym = its offset c)
+// starts them at -c * sum(qx) and adds no offset term, as gemm_block does.
+template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
+void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
+                int64_t N, int64_t n, int rows) {
+  constexpr int kV = packed_vectors(BITS, GROUP);
+  constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
+  const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[NR][kSubs];
+  for (int r = 0; r < NR; ++r)
+    for (int s = 0; s < kSubs; ++s) acc[r][s] = _mm512_setzero_ps();
+  const int8_t* qx = X.qx.data() + r0 * X.stride;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* at = tile + 64 + g * group_bytes;
+    const __m512i* w = reinterpret_cast<const __m512i*>(at);
+    const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
+    // the stream kPrefetch bytes ahead, a line for each line read
+    for (int64_t l = 0; l < group_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetch + l, _MM_HINT_T0);
+    __m512i even[NR][kSubs], odd[NR][kSubs];
+    for (int r = 0; r < NR; ++r) {
+      const __m512i start = SYM ? _mm512_set1_epi32(-sym * X.isum[(r0 + r) * G + g]) : _mm512_setzero_si512();
+      for (int s = 0; s < kSubs; ++s) {
+        even[r][s] = start;
+        odd[r][s] = _mm512_setzero_si512();
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < kV; ++v) {
+      for (int s = 0; s < kSubs; ++s) {
+        const __m512i wv = _mm512_load_si512(w + v * kSubs + s);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xr = qx + r * X.stride + GROUP * g;
+          int32_t a;
+          std::memcpy(&a, xr + 4 * v, 4);
+          if constexpr (BITS == 4) {
+            int32_t b;
+            std::memcpy(&b, xr + 16 + 4 * v, 4);
+            even[r][s] = _mm512_dpbusd_epi32(even[r][s], _mm512_and_si512(wv, low4), _mm512_set1_epi32(a));
+            odd[r][s] = _mm512_dpbusd_epi32(odd[r][s], _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4),
+                                            _mm512_set1_epi32(b));
+          } else if (v % 2 == 0) {
+            even[r][s] = _mm512_dpbusd_epi32(even[r][s], wv, _mm512_set1_epi32(a));
+          } else {
+            odd[r][s] = _mm512_dpbusd_epi32(odd[r][s], wv, _mm512_set1_epi32(a));
+          }
+        }
+      }
+    }
+    for (int s = 0; s < kSubs; ++s) {
+      const __m512 sc = load16_scales(ws + 16 * s);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
+        const __m512i isum = _mm512_add_epi32(even[r][s], odd[r][s]);
+        acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, dx), acc[r][s]);
+        if constexpr (!SYM) {
+          const S* wmn = reinterpret_cast<const S*>(reinterpret_cast<const uint8_t*>(ws) + kScaleBytes);
+          acc[r][s] = _mm512_fmadd_ps(load16_scales(wmn + 16 * s), _mm512_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r][s]);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < kSubs; ++s) {
+    const int count = std::max(0, std::min(16, rows - 16 * s));
+    if (count == 0) break;
+    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * s) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) {
+      vec16 sums;
+      const __m512 v = _mm512_add_ps(acc[r][s], b);
+      std::memcpy(&sums, &v, sizeof(v));
+      T out[16];
+      store16(out, sums);
+      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
+    }
+  }
+}
+
+// Every row of x (fewer than kGemmRows) times packed tiles [t0, t1) of W (`packed`: the first
+// packed tile), each tile multiplied by every block of up to kGemmBlock rows.
+template <int BITS, int GROUP, typename T, typename S>
+void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
+               int64_t t0, int64_t t1) {
+  const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn);
+  if (t0 < t1) prefetch_bytes(packed + t0 * bytes, std::min<int64_t>(bytes, kPrefetch));  // the stream's start
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * bytes;
+    int32_t sym;
+    std::memcpy(&sym, tile, sizeof(sym));
+    const int64_t n = kTileRows * t;
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
+    auto blocks = [&](auto symmetric) {
+      constexpr bool SYM = decltype(symmetric)::value;
+      for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
+        switch (std::min<int64_t>(kGemmBlock, R - r0)) {
+          case 1: gemv_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          case 2: gemv_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          case 3: gemv_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          default: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+        }
+      }
+    };
+    if (sym >= 0) {
+      blocks(std::true_type{});
+    } else {
+      blocks(std::false_type{});
+    }
+  }
+}
+
+// Whether some tile of W (scale, mn [N, G]) is not symmetric (symmetric_offset < 0): its packed
+// tiles then hold the offsets.
+template <typename S>
+bool tiles_need_offsets(const S* scale, const S* mn, int64_t N, int64_t G) {
+  std::vector<float> ws(kTileRows * G), wmn(kTileRows * G);
+  for (int64_t n = 0; n < N; n += kTileRows) {
+    const int64_t rows = std::min<int64_t>(kTileRows, N - n);
+    for (int64_t i = 0; i < rows * G; ++i) {
+      ws[i] = to_float(scale[n * G + i]);
+      wmn[i] = to_float(mn[n * G + i]);
+    }
+    if (symmetric_offset(ws.data(), wmn.data(), rows * G) < 0) return true;
+  }
+  return false;
+}
+
+// Bytes of W's stored tiles (quant_tiles): every gemm tile (tile_bytes), then, for the 4-bit
+// layout, every packed tile. (The 8-bit layouts keep no packed tiles: their row kernel, with no
+// nibbles to split, read the weights as fast, 0.97-1.3x the packed tiles' time, 2.5 Zen 4 threads.)
+inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
+  const int64_t count = (N + kTileRows - 1) / kTileRows;
+  return count * (tile_bytes(G, group) + (bits == 4 ? packed_tile_bytes(G, bits, group, scale_bytes, with_mn) : 0));
+}
+
 // Every tile of W transposed as gemm_rows transposes it, stored one after another:
 // tiles[t] = tile t's tile_bytes.
 template <int BITS, int GROUP, typename S>
-void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, uint8_t* tiles) {
+void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles) {
   const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
   const int64_t vector_bytes = tile_vector_bytes(G, GROUP), stored_bytes = tile_bytes(G, GROUP);
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
@@ -652,6 +821,26 @@ void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64
                                                     reinterpret_cast<__m512i*>(tile), ws, ws + kTileRows * G, flat.data(), 0);
       std::memset(ws + 2 * kTileRows * G, 0, 64);
       std::memcpy(ws + 2 * kTileRows * G, &sym, sizeof(sym));
+      if constexpr (BITS != 4) continue;
+      // the packed tile: per group its vectors, then its scales (and offsets) back in S (exact:
+      // they came from S); the vectors written as gemm_tile writes them, then moved in place
+      uint8_t* packed = tiles + count * stored_bytes + t * packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn);
+      constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
+      const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
+      std::vector<__m512i> vectors(G * kVectorBytes / 64);
+      std::vector<float> fs(2 * kTileRows * G);
+      gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows, vectors.data(), fs.data(),
+                                      fs.data() + kTileRows * G, flat.data(), 0);
+      std::memset(packed, 0, packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn));
+      std::memcpy(packed, &sym, sizeof(sym));
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* at = packed + 64 + g * group_bytes;
+        std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
+        for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
+          S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
+          for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
+        }
+      }
     }
   });
 }
@@ -962,7 +1151,8 @@ inline void by_layout(int64_t bits, int64_t group, const F& f) {
 // rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const uint8_t* tiles, const float* bias, int64_t bits, int64_t group, bool int8_x, at::Tensor& y,
+                       const uint8_t* tiles, bool tiles_mn, const float* bias, int64_t bits, int64_t group, bool int8_x,
+                       at::Tensor& y,
                        const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
@@ -981,6 +1171,17 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
           gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, tiles, bias, yp, K, N, t0, t1);
+        });
+      });
+      return;
+    }
+    if (tiles && bits == 4) {  // the 4-bit layout's packed tiles, after the gemm tiles
+      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
+      const int64_t count = (N + kTileRows - 1) / kTileRows;
+      const uint8_t* packed = tiles + count * tile_bytes(G, group);
+      share.run(count, std::max<int64_t>(1, grain / kTileRows), [&](int64_t t0, int64_t t1) {
+        by_layout(bits, group, [&](auto b, auto g) {
+          gemv_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, packed, tiles_mn, bias, yp, N, t0, t1);
         });
       });
       return;
@@ -1048,22 +1249,24 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
 }
 
 // Where this build multiplies many rows by transposed weight tiles (the AVX-512 VNNI path, from
-// kGemmRows rows of x on): every tile of W as that path transposes it per call, [tiles,
-// tile_bytes] uint8, for quant_linear's `tiles` (the same results without the transposition:
-// at 16 rows a third of a call's time). Elsewhere an empty tensor.
+// kGemmRows rows of x on): every tile of W as that path transposes it per call (the same results
+// without the transposition: at 16 rows a third of a call's time), then, for the 4-bit layout,
+// every packed tile (gemv_rows: fewer rows), one uint8 tensor [stored_tiles_bytes] for
+// quant_linear's `tiles`. Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits, int64_t group) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
   const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
   check_weight("quant_tiles", K, q, scale, mn, bits, group);
 #ifdef TANDEM_QUANT_VNNI
-  const int64_t count = (N + kTileRows - 1) / kTileRows;
-  at::Tensor tiles = at::empty({count, tile_bytes(K / group, group)}, q.options());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
+  at::Tensor tiles;
   auto run = [&](auto s) {
     using S = decltype(s);
+    const bool with_mn = bits == 4 && tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
+    tiles = at::empty({stored_tiles_bytes(N, K / group, bits, group, sizeof(S), with_mn)}, q.options());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
     by_layout(bits, group, [&](auto b, auto g) {
       store_tiles<decltype(b)::value, decltype(g)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(),
-                                                             mn.data_ptr<S>(), K, N, tiles.data_ptr<uint8_t>());
+                                                             mn.data_ptr<S>(), K, N, with_mn, tiles.data_ptr<uint8_t>());
     });
   };
   if (scale.scalar_type() == at::kHalf) {
@@ -1100,10 +1303,13 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     bias_p = bias->data_ptr<float>();
   }
   const uint8_t* tiles_p = nullptr;
+  bool tiles_mn = false;  // the packed tiles hold offsets (told by their size: tiles_need_offsets)
   if (tiles.has_value() && tiles->numel() > 0) {
 #ifdef TANDEM_QUANT_VNNI
-    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 2 &&
-                    tiles->size(0) == (N + kTileRows - 1) / kTileRows && tiles->size(1) == tile_bytes(K / group, group) &&
+    const int64_t G = K / group, sb = scale.element_size();
+    tiles_mn = bits == 4 && tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, true);
+    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
+                    (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, false)) &&
                     reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
@@ -1115,9 +1321,9 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, int8_x, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, int8_x, y, share);
     }
   };
   switch (x.scalar_type()) {
@@ -1136,6 +1342,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   auto y = at::empty({x.size(0), q.dim() > 0 ? q.size(0) : 0}, x.options());
   quant_linear_into(x, q, scale, mn, bits, group, int8_x, bias, y, Share{}, tiles);
   return y;
+}
+
+// Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for fewer than
+// kGemmRows bfloat16 / float16 rows: the packed tiles where it has them (4-bit weights on the
+// AVX-512 VNNI build), else the row layout's q, scales and offsets.
+int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
+                           int64_t group, const c10::optional<at::Tensor>& tiles) {
+  const int64_t row_layout = q.numel() + (scale.numel() + mn.numel()) * scale.element_size();
+#ifdef TANDEM_QUANT_VNNI
+  if (bits == 4 && tiles.has_value() && tiles->numel() > 0) {
+    const int64_t N = q.size(0), G = 2 * q.size(1) / group, count = (N + kTileRows - 1) / kTileRows;
+    return tiles->numel() - count * tile_bytes(G, group);
+  }
+#endif
+  return row_layout;
 }
 
 // The path this build takes for bfloat16 / float16 rows and int8_x (int8 activations multiplied
@@ -1168,4 +1389,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("quant_tiles(Tensor q, Tensor scale, Tensor mn, int bits, int group) -> Tensor");
   m.impl("quant_tiles", c10::DispatchKey::CPU, &tandem_cpu::quant_tiles);
   m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
+  m.def("quant_decode_bytes(Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? tiles) -> int",
+        &tandem_cpu::quant_decode_bytes);
 }

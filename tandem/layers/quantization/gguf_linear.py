@@ -172,7 +172,10 @@ class QuantLinearKernel:
         self.out_features, self.in_features = packed.rows, packed.cols
         # Where the build multiplies many rows by transposed weight tiles (AVX-512 VNNI), the
         # tiles stored once here instead of transposed on every call of more than QUANT_MAX_ROWS
-        # rows (`quant_tiles`; same results): 1.25 bytes a weight more (1.5 for 8-bit groups of 16).
+        # rows (`quant_tiles`; same results): 1.25 bytes a weight more (1.5 for 8-bit groups of
+        # 16); for a 4-bit weight also the packed tiles that calls of fewer rows read instead of
+        # its rows (about 0.56-0.63 bytes a weight more; a decode step of the default Q4_0 model
+        # 0.92-0.96 of its time, docs/perf-log/quant-gemm-tiles.md).
         tiles = (
             ops.quant_tiles(self.q, self.scale, self.mn, self.bits, self.group) if max_rows > QUANT_MAX_ROWS else None
         )
@@ -246,5 +249,6 @@ class QuantLinearKernel:
         return [self.bits, self.group, int(self.int8_x), int(self.tiles is not None)]
 
     def nbytes(self) -> int:
-        """Bytes a call of few rows reads (the tiles serve more rows)."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.mn))
+        """Bytes a call of few rows reads: a 4-bit weight's packed tiles where it has them,
+        else its rows, scales and offsets (`tandem_cpu.quant_decode_bytes`)."""
+        return self.ops.quant_decode_bytes(self.q, self.scale, self.mn, self.bits, self.group, self.tiles)
