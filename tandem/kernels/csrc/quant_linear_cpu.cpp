@@ -25,9 +25,9 @@
 // Output rows (N) are split over PyTorch's OpenMP threads; the int8 paths read each weight byte
 // from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
 // up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
-// tile of weight rows once so that every int32 lane is one output (gemm_rows, below); below
-// that, given the tiles stored at load (quant_tiles), 4-bit weights are read from packed tiles
-// of the same order (gemv_rows): the row kernel's products, summed in another order.
+// tile of weight rows once so that every int32 lane is one output (gemm_rows, below); given the
+// tiles stored at load (quant_tiles), 4-bit weights are read, for any rows, from packed tiles of
+// the same order (gemv_rows): the same integer products, summed in another order.
 // `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
@@ -642,9 +642,9 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
   }
 }
 
-// ---- Few rows: packed weight tiles (decode) ----------------------------------------------
-// Below kGemmRows rows of x, where a 4-bit weight's tiles were stored at load (quant_tiles), the
-// rows meet packed tiles: the same 32 weight rows and dword order as gemm_tile's, but the
+// ---- 4-bit weights: packed weight tiles -----------------------------------------------------
+// Where a 4-bit weight's tiles were stored at load (quant_tiles), rows of x of any count meet
+// packed tiles: the same 32 weight rows and dword order as gemm_tile's, but the
 // bytes kept whole (both nibbles: the low ones meet x's columns 32g + 4v .., the high
 // ones 32g + 16 + 4v ..) and the scales and offsets in the layout's own dtype, so a decode step
 // reads no more bytes than the row layout, with every int32 lane one output: no per-chunk scale
@@ -749,8 +749,8 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
   }
 }
 
-// Every row of x (fewer than kGemmRows) times packed tiles [t0, t1) of W (`packed`: the first
-// packed tile), each tile multiplied by every block of up to kGemmBlock rows.
+// Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
+// multiplied by every block of up to kGemmBlock rows (from L1 / L2 after the first).
 template <int BITS, int GROUP, typename T, typename S>
 void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
                int64_t t0, int64_t t1) {
@@ -797,48 +797,53 @@ bool tiles_need_offsets(const S* scale, const S* mn, int64_t N, int64_t G) {
   return false;
 }
 
-// Bytes of W's stored tiles (quant_tiles): every gemm tile (tile_bytes), then, for the 4-bit
-// layout, every packed tile. (The 8-bit layouts keep no packed tiles: their row kernel, with no
-// nibbles to split, read the weights as fast, 0.97-1.3x the packed tiles' time, 2.5 Zen 4 threads.)
+// Bytes of W's stored tiles (quant_tiles): a 4-bit weight's packed tiles (for every row count:
+// against the gemm tiles, whose nibbles unpacked are twice the bytes, the default Q4_0 model's
+// decode step at 16 rows took 0.84 of the time, at 64 rows 0.93, a 100-token prefill 0.95, 2 Zen 4
+// threads), an 8-bit weight's gemm tiles (its row kernel, with no nibbles to split, read the
+// weights as fast as packed tiles did: 0.97-1.3x their time).
 inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
   const int64_t count = (N + kTileRows - 1) / kTileRows;
-  return count * (tile_bytes(G, group) + (bits == 4 ? packed_tile_bytes(G, bits, group, scale_bytes, with_mn) : 0));
+  return count * (bits == 4 ? packed_tile_bytes(G, bits, group, scale_bytes, with_mn) : tile_bytes(G, group));
 }
 
-// Every tile of W transposed as gemm_rows transposes it, stored one after another:
-// tiles[t] = tile t's tile_bytes.
+// Every tile of W, stored one after another (tiles[t]: stored_tiles_bytes / tiles): an 8-bit
+// weight's as gemm_rows transposes it, a 4-bit weight's packed (gemv_rows).
 template <int BITS, int GROUP, typename S>
 void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles) {
   const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
-  const int64_t vector_bytes = tile_vector_bytes(G, GROUP), stored_bytes = tile_bytes(G, GROUP);
+  const int64_t stored_bytes = stored_tiles_bytes(N, G, BITS, GROUP, sizeof(S), with_mn) / count;
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16));
     for (int64_t t = t0; t < t1; ++t) {
       uint8_t* tile = tiles + t * stored_bytes;
-      float* ws = reinterpret_cast<float*>(tile + vector_bytes);
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - kTileRows * t));
-      const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
-                                                    reinterpret_cast<__m512i*>(tile), ws, ws + kTileRows * G, flat.data(), 0);
-      std::memset(ws + 2 * kTileRows * G, 0, 64);
-      std::memcpy(ws + 2 * kTileRows * G, &sym, sizeof(sym));
-      if constexpr (BITS != 4) continue;
-      // the packed tile: per group its vectors, then its scales (and offsets) back in S (exact:
-      // they came from S); the vectors written as gemm_tile writes them, then moved in place
-      uint8_t* packed = tiles + count * stored_bytes + t * packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn);
-      constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
-      const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
-      std::vector<__m512i> vectors(G * kVectorBytes / 64);
-      std::vector<float> fs(2 * kTileRows * G);
-      gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows, vectors.data(), fs.data(),
-                                      fs.data() + kTileRows * G, flat.data(), 0);
-      std::memset(packed, 0, packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn));
-      std::memcpy(packed, &sym, sizeof(sym));
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* at = packed + 64 + g * group_bytes;
-        std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
-        for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
-          S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
-          for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
+      if constexpr (BITS != 4) {  // gemm_tile's vectors, scales, offsets and symmetric offset
+        float* ws = reinterpret_cast<float*>(tile + tile_vector_bytes(G, GROUP));
+        const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
+                                                      reinterpret_cast<__m512i*>(tile), ws, ws + kTileRows * G,
+                                                      flat.data(), 0);
+        std::memset(ws + 2 * kTileRows * G, 0, 64);
+        std::memcpy(ws + 2 * kTileRows * G, &sym, sizeof(sym));
+      } else {
+        // a packed tile: its symmetric offset, then per group its vectors (as gemm_tile writes
+        // them, moved in place) and its scales (and offsets) back in S (exact: they came from S)
+        constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
+        const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
+        std::vector<__m512i> vectors(G * kVectorBytes / 64);
+        std::vector<float> fs(2 * kTileRows * G);
+        const int32_t sym = gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
+                                                            vectors.data(), fs.data(), fs.data() + kTileRows * G,
+                                                            flat.data(), 0);
+        std::memset(tile, 0, stored_bytes);
+        std::memcpy(tile, &sym, sizeof(sym));
+        for (int64_t g = 0; g < G; ++g) {
+          uint8_t* at = tile + 64 + g * group_bytes;
+          std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
+          for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
+            S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
+            for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
+          }
         }
       }
     }
@@ -1164,6 +1169,15 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
 #ifdef TANDEM_QUANT_VNNI
   if (!std::is_same_v<T, float> || int8_x) {
+    if (tiles && bits == 4) {  // a 4-bit weight's stored tiles: packed, for every row count
+      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
+      const int64_t count = (N + kTileRows - 1) / kTileRows;
+      const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
+      share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
+        gemv_rows<4, 32, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+      });
+      return;
+    }
     if (R >= kGemmRows) {
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
       const int64_t count = (N + kTileRows - 1) / kTileRows;
@@ -1171,17 +1185,6 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
           gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, tiles, bias, yp, K, N, t0, t1);
-        });
-      });
-      return;
-    }
-    if (tiles && bits == 4) {  // the 4-bit layout's packed tiles, after the gemm tiles
-      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
-      const int64_t count = (N + kTileRows - 1) / kTileRows;
-      const uint8_t* packed = tiles + count * tile_bytes(G, group);
-      share.run(count, std::max<int64_t>(1, grain / kTileRows), [&](int64_t t0, int64_t t1) {
-        by_layout(bits, group, [&](auto b, auto g) {
-          gemv_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, packed, tiles_mn, bias, yp, N, t0, t1);
         });
       });
       return;
@@ -1248,11 +1251,11 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
   }
 }
 
-// Where this build multiplies many rows by transposed weight tiles (the AVX-512 VNNI path, from
-// kGemmRows rows of x on): every tile of W as that path transposes it per call (the same results
-// without the transposition: at 16 rows a third of a call's time), then, for the 4-bit layout,
-// every packed tile (gemv_rows: fewer rows), one uint8 tensor [stored_tiles_bytes] for
-// quant_linear's `tiles`. Elsewhere an empty tensor.
+// Where this build multiplies rows by weight tiles (the AVX-512 VNNI path): an 8-bit weight's
+// tiles as that path transposes them per call from kGemmRows rows on (the same results without
+// the transposition: at 16 rows a third of a call's time), a 4-bit weight's packed tiles (read
+// for every row count), one uint8 tensor [stored_tiles_bytes] for quant_linear's `tiles`.
+// Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits, int64_t group) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
   const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
@@ -1351,10 +1354,7 @@ int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const a
                            int64_t group, const c10::optional<at::Tensor>& tiles) {
   const int64_t row_layout = q.numel() + (scale.numel() + mn.numel()) * scale.element_size();
 #ifdef TANDEM_QUANT_VNNI
-  if (bits == 4 && tiles.has_value() && tiles->numel() > 0) {
-    const int64_t N = q.size(0), G = 2 * q.size(1) / group, count = (N + kTileRows - 1) / kTileRows;
-    return tiles->numel() - count * tile_bytes(G, group);
-  }
+  if (bits == 4 && tiles.has_value() && tiles->numel() > 0) return tiles->numel();
 #endif
   return row_layout;
 }

@@ -170,12 +170,12 @@ class QuantLinearKernel:
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
-        # Where the build multiplies many rows by transposed weight tiles (AVX-512 VNNI), the
-        # tiles stored once here instead of transposed on every call of more than QUANT_MAX_ROWS
-        # rows (`quant_tiles`; same results): 1.25 bytes a weight more (1.5 for 8-bit groups of
-        # 16); for a 4-bit weight also the packed tiles that calls of fewer rows read instead of
-        # its rows (about 0.56-0.63 bytes a weight more; a decode step of the default Q4_0 model
-        # 0.92-0.96 of its time, docs/perf-log/quant-gemm-tiles.md).
+        # Where the build multiplies rows by weight tiles (AVX-512 VNNI), the tiles stored once
+        # here (`quant_tiles`): an 8-bit weight's transposed tiles, which calls of 8 rows and more
+        # read instead of transposing them each time (same results; 1.25 bytes a weight more, 1.5
+        # for groups of 16), a 4-bit weight's packed tiles, which calls of any rows read instead of
+        # its rows (0.56-0.63 bytes a weight more; the default Q4_0 model's decode step 0.95 of its
+        # time at batch 1, 0.84 at 16: docs/perf-log/quant-gemm-tiles.md).
         tiles = (
             ops.quant_tiles(self.q, self.scale, self.mn, self.bits, self.group) if max_rows > QUANT_MAX_ROWS else None
         )
