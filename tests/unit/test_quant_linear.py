@@ -80,13 +80,11 @@ def test_extreme_bytes(kernel):
 # the layouts: 4-bit (symmetric or not), 8-bit by 32 and by 16
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_stored_tiles_give_the_same_outputs(name):
-    """Where the build has the tiled paths (AVX-512 VNNI), `quant_tiles` stores an 8-bit
-    weight's tiles of 32 rows as the many-rows path transposes them per call: outputs with and
-    without them are bit-identical for every row count (fewer than 8 rows never read them), on a
-    partial last tile. A 4-bit weight's packed tiles serve every row count: from 8 rows the
-    many-rows path's sums in its order (identical), below the row kernel's integer products
-    summed in another order (within float32 rounding of its sums). Tiles
-    of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which the
+    """Where the build has the tiled paths (AVX-512 VNNI), `quant_tiles` stores the weight's
+    packed tiles of 32 rows, which serve every row count: from 8 rows the many-rows path's sums
+    in its order (bit-identical with and without them, on a partial last tile), below the row
+    kernel's integer products summed in another order (within float32 rounding of its sums).
+    Tiles of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which the
     kernel ignores."""
     rows, cols = 75, 512
     packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
@@ -102,7 +100,7 @@ def test_stored_tiles_give_the_same_outputs(name):
             x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
             plain = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False)
             tiled = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False, tiles)
-            if packed.bits == 8 or not vnni or n >= 8:
+            if not vnni or n >= 8:
                 assert torch.equal(tiled, plain)
             else:  # float32 sums compared: the bfloat16 outputs are these rounded once
                 plain32 = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, True)

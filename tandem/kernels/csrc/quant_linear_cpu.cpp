@@ -26,8 +26,8 @@
 // from memory once for all rows of x (tiles of kTileRows weight rows), the float path once for
 // up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
 // tile of weight rows once so that every int32 lane is one output (gemm_rows, below); given the
-// tiles stored at load (quant_tiles), 4-bit weights are read, for any rows, from packed tiles of
-// the same order (gemv_rows): the same integer products, summed in another order.
+// tiles stored at load (quant_tiles), rows of any count read packed tiles of that order instead
+// (gemv_rows: below kGemmRows the row kernel's integer products, summed in another order).
 // `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
@@ -582,46 +582,28 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// Bytes of one stored tile (quant_tiles): gemm_tile's vectors, then its scales and offsets
-// (kTileRows * G float32 each), then 64 bytes whose first int32 is its symmetric_offset; a
-// multiple of 64.
-inline int64_t tile_vector_bytes(int64_t G, int64_t group) { return G * (group / 4) * kSubs * 64; }
-inline int64_t tile_bytes(int64_t G, int64_t group) { return tile_vector_bytes(G, group) + 2 * kTileRows * G * 4 + 64; }
-
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
-// each tile multiplied by every row block of x. The tiles are transposed here, or read as
-// quant_tiles stored them at load (`tiles`, else null): the same vectors, so the same results.
+// transposed here (gemm_tile) and multiplied by every row block of x. (A weight whose tiles were
+// stored at load reads its packed tiles instead: gemv_rows, the same sums.)
 template <int BITS, int GROUP, typename T, typename S>
-void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const uint8_t* tiles,
-               const float* bias, T* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias, T* y,
+               int64_t K, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
-  const int64_t vector_bytes = tile_vector_bytes(G, GROUP), stored_bytes = tile_bytes(G, GROUP);
-  std::vector<__m512i> scratch(tiles ? 0 : G * (GROUP / 4) * kSubs);
-  std::vector<float> scratch_s(tiles ? 0 : 2 * kTileRows * G), flat(tiles ? 0 : kTileRows * ((G + 15) / 16 * 16));
+  std::vector<__m512i> scratch(G * (GROUP / 4) * kSubs);
+  std::vector<float> scratch_s(2 * kTileRows * G), flat(kTileRows * ((G + 15) / 16 * 16));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = kTileRows * t;
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
-    const __m512i* w;
-    const float* ws;
-    int32_t sym;
-    if (tiles) {  // the next stored tile asked for while this one computes (the first row block reads it)
-      const uint8_t* tile = tiles + t * stored_bytes;
-      if (t + 1 < t1) prefetch_bytes(tile + stored_bytes, stored_bytes);
-      w = reinterpret_cast<const __m512i*>(tile);
-      ws = reinterpret_cast<const float*>(tile + vector_bytes);
-      std::memcpy(&sym, ws + 2 * kTileRows * G, sizeof(sym));
-    } else {
-      if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
-        const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
-        prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
-        prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
-      }
-      const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
-      sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(), scratch_s.data(),
-                                      scratch_s.data() + kTileRows * G, flat.data(), ahead);
-      w = scratch.data();
-      ws = scratch_s.data();
+    if (t + 1 < t1) {  // the next tile's scales and offsets, asked for while this one computes
+      const int64_t next = n + kTileRows, next_rows = std::min<int64_t>(kTileRows, N - next);
+      prefetch_bytes(scale + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
+      prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
     }
+    const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
+    const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(),
+                                                  scratch_s.data(), scratch_s.data() + kTileRows * G, flat.data(), ahead);
+    const __m512i* w = scratch.data();
+    const float* ws = scratch_s.data();
     const float* wmn = ws + kTileRows * G;
     auto blocks = [&](auto symmetric) {
       constexpr bool SYM = decltype(symmetric)::value;
@@ -642,13 +624,17 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
   }
 }
 
-// ---- 4-bit weights: packed weight tiles -----------------------------------------------------
-// Where a 4-bit weight's tiles were stored at load (quant_tiles), rows of x of any count meet
-// packed tiles: the same 32 weight rows and dword order as gemm_tile's, but the
-// bytes kept whole (both nibbles: the low ones meet x's columns 32g + 4v .., the high
-// ones 32g + 16 + 4v ..) and the scales and offsets in the layout's own dtype, so a decode step
-// reads no more bytes than the row layout, with every int32 lane one output: no per-chunk scale
-// shuffles and no horizontal sums. Everything a tile holds is read in the order it is stored
+// ---- Stored weights: packed weight tiles --------------------------------------------------
+// Where a weight's tiles were stored at load (quant_tiles), rows of x of any count meet packed
+// tiles: the same 32 weight rows and dword order as gemm_tile's, but the 4-bit layout's bytes
+// kept whole (both nibbles: the low ones meet x's columns 32g + 4v .., the high ones
+// 32g + 16 + 4v ..) and the scales and offsets in the layout's own dtype, so a decode step reads
+// no more bytes than the row layout, with every int32 lane one output: no per-chunk scale
+// shuffles and no horizontal sums; from kGemmRows rows the sums are gemm_rows', in its order
+// (bit-identical), from half the bytes of its unpacked 4-bit tiles and float32 scales. Measured
+// against the row kernel below kGemmRows and the stored transposed tiles from there (2 Zen 4
+// threads, default model Q4_0, decode step): batch 1 0.95 of the time, 4 0.80, 16 0.84, 64 0.93;
+// a 100-token prefill 0.93; Q8_0 batch 1 1.00, 16 0.90, prefill 0.98. Everything a tile holds is read in the order it is stored
 // (one stream: regions skipped or read out of order halved what the hardware prefetcher
 // delivered to one core, 27 -> 12 GB/s). A packed tile: 64 bytes whose first int32 is its
 // symmetric_offset, then per group g its vectors (packed_vectors x kSubs), the kTileRows scales
@@ -797,53 +783,38 @@ bool tiles_need_offsets(const S* scale, const S* mn, int64_t N, int64_t G) {
   return false;
 }
 
-// Bytes of W's stored tiles (quant_tiles): a 4-bit weight's packed tiles (for every row count:
-// against the gemm tiles, whose nibbles unpacked are twice the bytes, the default Q4_0 model's
-// decode step at 16 rows took 0.84 of the time, at 64 rows 0.93, a 100-token prefill 0.95, 2 Zen 4
-// threads), an 8-bit weight's gemm tiles (its row kernel, with no nibbles to split, read the
-// weights as fast as packed tiles did: 0.97-1.3x their time).
+// Bytes of W's stored tiles (quant_tiles): its packed tiles.
 inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
   const int64_t count = (N + kTileRows - 1) / kTileRows;
-  return count * (bits == 4 ? packed_tile_bytes(G, bits, group, scale_bytes, with_mn) : tile_bytes(G, group));
+  return count * packed_tile_bytes(G, bits, group, scale_bytes, with_mn);
 }
 
-// Every tile of W, stored one after another (tiles[t]: stored_tiles_bytes / tiles): an 8-bit
-// weight's as gemm_rows transposes it, a 4-bit weight's packed (gemv_rows).
+// Every packed tile of W, one after another (tiles[t]: stored_tiles_bytes / tiles): its
+// symmetric offset, then per group its vectors (as gemm_tile writes them, moved in place) and
+// its scales (and offsets) back in S (exact: they came from S).
 template <int BITS, int GROUP, typename S>
 void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles) {
   const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
-  const int64_t stored_bytes = stored_tiles_bytes(N, G, BITS, GROUP, sizeof(S), with_mn) / count;
+  const int64_t stored_bytes = packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn);
+  constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
+  const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16));
+    std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16)), fs(2 * kTileRows * G);
+    std::vector<__m512i> vectors(G * kVectorBytes / 64);
     for (int64_t t = t0; t < t1; ++t) {
       uint8_t* tile = tiles + t * stored_bytes;
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - kTileRows * t));
-      if constexpr (BITS != 4) {  // gemm_tile's vectors, scales, offsets and symmetric offset
-        float* ws = reinterpret_cast<float*>(tile + tile_vector_bytes(G, GROUP));
-        const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
-                                                      reinterpret_cast<__m512i*>(tile), ws, ws + kTileRows * G,
-                                                      flat.data(), 0);
-        std::memset(ws + 2 * kTileRows * G, 0, 64);
-        std::memcpy(ws + 2 * kTileRows * G, &sym, sizeof(sym));
-      } else {
-        // a packed tile: its symmetric offset, then per group its vectors (as gemm_tile writes
-        // them, moved in place) and its scales (and offsets) back in S (exact: they came from S)
-        constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
-        const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
-        std::vector<__m512i> vectors(G * kVectorBytes / 64);
-        std::vector<float> fs(2 * kTileRows * G);
-        const int32_t sym = gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
-                                                            vectors.data(), fs.data(), fs.data() + kTileRows * G,
-                                                            flat.data(), 0);
-        std::memset(tile, 0, stored_bytes);
-        std::memcpy(tile, &sym, sizeof(sym));
-        for (int64_t g = 0; g < G; ++g) {
-          uint8_t* at = tile + 64 + g * group_bytes;
-          std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
-          for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
-            S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
-            for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
-          }
+      const int32_t sym = gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
+                                                          vectors.data(), fs.data(), fs.data() + kTileRows * G,
+                                                          flat.data(), 0);
+      std::memset(tile, 0, stored_bytes);
+      std::memcpy(tile, &sym, sizeof(sym));
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* at = tile + 64 + g * group_bytes;
+        std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
+        for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
+          S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
+          for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
         }
       }
     }
@@ -1169,12 +1140,14 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
 #ifdef TANDEM_QUANT_VNNI
   if (!std::is_same_v<T, float> || int8_x) {
-    if (tiles && bits == 4) {  // a 4-bit weight's stored tiles: packed, for every row count
+    if (tiles) {  // the weight's stored tiles: packed, for every row count
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
       const int64_t count = (N + kTileRows - 1) / kTileRows;
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
-        gemv_rows<4, 32, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+        by_layout(bits, group, [&](auto b, auto g) {
+          gemv_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+        });
       });
       return;
     }
@@ -1184,7 +1157,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
-          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, tiles, bias, yp, K, N, t0, t1);
+          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
         });
       });
       return;
@@ -1251,11 +1224,10 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
   }
 }
 
-// Where this build multiplies rows by weight tiles (the AVX-512 VNNI path): an 8-bit weight's
-// tiles as that path transposes them per call from kGemmRows rows on (the same results without
-// the transposition: at 16 rows a third of a call's time), a 4-bit weight's packed tiles (read
-// for every row count), one uint8 tensor [stored_tiles_bytes] for quant_linear's `tiles`.
-// Elsewhere an empty tensor.
+// Where this build multiplies rows by weight tiles (the AVX-512 VNNI path): W's packed tiles
+// (gemv_rows, for every row count; from kGemmRows rows the sums of the tiles gemm_rows
+// transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
+// quant_linear's `tiles`. Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits, int64_t group) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
   const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
@@ -1264,7 +1236,7 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   at::Tensor tiles;
   auto run = [&](auto s) {
     using S = decltype(s);
-    const bool with_mn = bits == 4 && tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
+    const bool with_mn = tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
     tiles = at::empty({stored_tiles_bytes(N, K / group, bits, group, sizeof(S), with_mn)}, q.options());
     TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
     by_layout(bits, group, [&](auto b, auto g) {
@@ -1310,7 +1282,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (tiles.has_value() && tiles->numel() > 0) {
 #ifdef TANDEM_QUANT_VNNI
     const int64_t G = K / group, sb = scale.element_size();
-    tiles_mn = bits == 4 && tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, true);
+    tiles_mn = tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, true);
     TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
                     (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, false)) &&
                     reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
@@ -1348,13 +1320,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 }
 
 // Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for fewer than
-// kGemmRows bfloat16 / float16 rows: the packed tiles where it has them (4-bit weights on the
-// AVX-512 VNNI build), else the row layout's q, scales and offsets.
+// kGemmRows bfloat16 / float16 rows: the packed tiles where it has them (the AVX-512 VNNI
+// build), else the row layout's q, scales and offsets.
 int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                            int64_t group, const c10::optional<at::Tensor>& tiles) {
   const int64_t row_layout = q.numel() + (scale.numel() + mn.numel()) * scale.element_size();
 #ifdef TANDEM_QUANT_VNNI
-  if (bits == 4 && tiles.has_value() && tiles->numel() > 0) return tiles->numel();
+  if (tiles.has_value() && tiles->numel() > 0) return tiles->numel();
 #endif
   return row_layout;
 }

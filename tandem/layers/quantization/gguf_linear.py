@@ -170,12 +170,12 @@ class QuantLinearKernel:
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
-        # Where the build multiplies rows by weight tiles (AVX-512 VNNI), the tiles stored once
-        # here (`quant_tiles`): an 8-bit weight's transposed tiles, which calls of 8 rows and more
-        # read instead of transposing them each time (same results; 1.25 bytes a weight more, 1.5
-        # for groups of 16), a 4-bit weight's packed tiles, which calls of any rows read instead of
-        # its rows (0.56-0.63 bytes a weight more; the default Q4_0 model's decode step 0.95 of its
-        # time at batch 1, 0.84 at 16: docs/perf-log/quant-gemm-tiles.md).
+        # Where the build multiplies rows by weight tiles (AVX-512 VNNI), the weight's packed
+        # tiles stored once here (`quant_tiles`), which calls of any rows read instead of its rows
+        # and of the tiles transposed per call from 8 rows on (the same sums there): about as many
+        # bytes again as the blocks (0.56-0.63 a 4-bit weight, 1.06-1.13 an 8-bit one); the default
+        # Q4_0 model's decode step 0.95 of its time at batch 1, 0.84 at 16
+        # (docs/perf-log/quant-gemm-tiles.md).
         tiles = (
             ops.quant_tiles(self.q, self.scale, self.mn, self.bits, self.group) if max_rows > QUANT_MAX_ROWS else None
         )
@@ -249,6 +249,6 @@ class QuantLinearKernel:
         return [self.bits, self.group, int(self.int8_x), int(self.tiles is not None)]
 
     def nbytes(self) -> int:
-        """Bytes a call of few rows reads: a 4-bit weight's packed tiles where it has them,
-        else its rows, scales and offsets (`tandem_cpu.quant_decode_bytes`)."""
+        """Bytes a call of few rows reads: the packed tiles where it has them, else its rows,
+        scales and offsets (`tandem_cpu.quant_decode_bytes`)."""
         return self.ops.quant_decode_bytes(self.q, self.scale, self.mn, self.bits, self.group, self.tiles)
