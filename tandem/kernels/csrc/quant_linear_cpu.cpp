@@ -518,6 +518,27 @@ int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_byt
   return symmetric_offset(ws, wmn, kTileRows * G);
 }
 
+// A tile's sums (acc[r][s]: outputs n + 16s .. of row r0 + r of x) plus the bias, rounded to T
+// into y [R, N] for its `rows` weight rows.
+template <int NR, typename T>
+inline void store_tile_sums(const __m512 (&acc)[NR][kSubs], const float* bias, T* y, int64_t N, int64_t n, int rows,
+                            int64_t r0) {
+  for (int s = 0; s < kSubs; ++s) {
+    const int count = std::max(0, std::min(16, rows - 16 * s));
+    if (count == 0) break;
+    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * s) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) {
+      vec16 sums;
+      const __m512 v = _mm512_add_ps(acc[r][s], b);
+      std::memcpy(&sums, &v, sizeof(v));
+      T out[16];
+      store16(out, sums);
+      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
+    }
+  }
+}
+
 // Rows [r0, r0 + NR) of x times the tile (weight rows [n, n + rows)): y[r * N + n + i]. A
 // symmetric tile (sym = its offset c >= 0) starts each group's integer sums at -c * sum(qx), so
 // that they are sum((q - c) * qx), and adds no offset term.
@@ -561,20 +582,7 @@ void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, c
       }
     }
   }
-  for (int s = 0; s < kSubs; ++s) {
-    const int count = std::max(0, std::min(16, rows - 16 * s));
-    if (count == 0) break;
-    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * s) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; ++r) {
-      vec16 sums;
-      const __m512 v = _mm512_add_ps(acc[r][s], b);
-      std::memcpy(&sums, &v, sizeof(v));
-      T out[16];
-      store16(out, sums);
-      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
-    }
-  }
+  store_tile_sums<NR, T>(acc, bias, y, N, n, rows, r0);
 }
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
@@ -719,20 +727,7 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
       }
     }
   }
-  for (int s = 0; s < kSubs; ++s) {
-    const int count = std::max(0, std::min(16, rows - 16 * s));
-    if (count == 0) break;
-    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * s) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; ++r) {
-      vec16 sums;
-      const __m512 v = _mm512_add_ps(acc[r][s], b);
-      std::memcpy(&sums, &v, sizeof(v));
-      T out[16];
-      store16(out, sums);
-      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
-    }
-  }
+  store_tile_sums<NR, T>(acc, bias, y, N, n, rows, r0);
 }
 
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
