@@ -10,8 +10,8 @@ RTLD_LOCAL, so neither's calls bind to the other's functions). One model (`OneBa
 greedy, EOS ignored) then runs its decode steps switching, every block, what calls the
 kernels: the quantized linears (`QuantLinearKernel.ops`, the LM head's among them, with the
 weight tiles that side's `quant_tiles` stores) and the decoder layers' one-call stack
-(`decode_layers`). Other kernel calls (a model whose layers
-do not run fused) stay on this tree's. With `--prefill` the steps measured are prefills of
+(`decode_layers`). Other kernel calls (a model whose layers do not run fused) stay on this
+tree's. With `--prefill` the steps measured are prefills of
 the batch's prompts instead (each a fresh batch, released after). Prints per side the min,
 p10, p25 and median step (ms) and the median ratio.
 """

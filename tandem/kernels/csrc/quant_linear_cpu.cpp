@@ -642,9 +642,9 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
 // (bit-identical), from half the bytes of its unpacked 4-bit tiles and float32 scales. Measured
 // against the row kernel below kGemmRows and the stored transposed tiles from there (2 Zen 4
 // threads, default model Q4_0, decode step): batch 1 0.95 of the time, 4 0.80, 16 0.84, 64 0.93;
-// a 100-token prefill 0.93; Q8_0 batch 1 1.00, 16 0.90, prefill 0.98. Everything a tile holds is read in the order it is stored
-// (one stream: regions skipped or read out of order halved what the hardware prefetcher
-// delivered to one core, 27 -> 12 GB/s). A packed tile: 64 bytes whose first int32 is its
+// a 100-token prefill 0.93; Q8_0 batch 1 1.00, 16 0.90, prefill 0.98. Everything a tile holds is
+// read in the order it is stored (one stream: regions skipped or read out of order halved what
+// the hardware prefetcher delivered to one core, 27 -> 12 GB/s). A packed tile: 64 bytes whose first int32 is its
 // symmetric_offset, then per group g its vectors (packed_vectors x kSubs), the kTileRows scales
 // and, where some tile of the weight is not symmetric (`with_mn`), the kTileRows offsets (each
 // rounded up to 64 bytes).
@@ -681,7 +681,7 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     const __m512i* w = reinterpret_cast<const __m512i*>(at);
     const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
     // the stream kPrefetch bytes ahead, a line for each line read
-    for (int64_t l = 0; l < group_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetch + l, _MM_HINT_T0);
+    prefetch_bytes(at + kPrefetch, group_bytes);
     __m512i even[NR][kSubs], odd[NR][kSubs];
     for (int r = 0; r < NR; ++r) {
       const __m512i start = SYM ? _mm512_set1_epi32(-sym * X.isum[(r0 + r) * G + g]) : _mm512_setzero_si512();
@@ -1135,24 +1135,18 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
 #ifdef TANDEM_QUANT_VNNI
   if (!std::is_same_v<T, float> || int8_x) {
-    if (tiles) {  // the weight's stored tiles: packed, for every row count
+    if (tiles || R >= kGemmRows) {  // by tiles of 32 weight rows: stored packed ones (any rows), or transposed here
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
       const int64_t count = (N + kTileRows - 1) / kTileRows;
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, [&](auto b, auto g) {
-          gemv_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
-        });
-      });
-      return;
-    }
-    if (R >= kGemmRows) {
-      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
-      const int64_t count = (N + kTileRows - 1) / kTileRows;
-      const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
-      share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
-        by_layout(bits, group, [&](auto b, auto g) {
-          gemm_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+          constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+          if (tiles) {
+            gemv_rows<kBits, kGroup, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+          } else {
+            gemm_rows<kBits, kGroup, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+          }
         });
       });
       return;
@@ -1314,16 +1308,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
-// Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for fewer than
-// kGemmRows bfloat16 / float16 rows: the packed tiles where it has them (the AVX-512 VNNI
-// build), else the row layout's q, scales and offsets.
+// Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for a few
+// bfloat16 / float16 rows: the packed tiles where it has them (the AVX-512 VNNI build), else the
+// row layout's q, scales and offsets.
 int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                            int64_t group, const c10::optional<at::Tensor>& tiles) {
-  const int64_t row_layout = q.numel() + (scale.numel() + mn.numel()) * scale.element_size();
 #ifdef TANDEM_QUANT_VNNI
   if (tiles.has_value() && tiles->numel() > 0) return tiles->numel();
 #endif
-  return row_layout;
+  return q.numel() + (scale.numel() + mn.numel()) * scale.element_size();
 }
 
 // The path this build takes for bfloat16 / float16 rows and int8_x (int8 activations multiplied

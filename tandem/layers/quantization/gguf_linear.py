@@ -59,11 +59,10 @@ QUANT_MAX_ROWS = 4
 # batch 8 0.73 of the time, 16 0.78, 32 0.86, 64 0.88 (Q4_0: 16 0.82, 64 0.93).
 QUANT_MAX_ROWS_INT8 = 64
 # ... and on the AVX-512 VNNI build where the CPU has no AMX (on which oneDNN's bfloat16 runs),
-# every input: prefill too multiplies the stored tiles (`quant_tiles`; then transposed int8 tiles,
-# now packed ones with the same sums), measured against
-# oneDNN's bfloat16 on the dense copy, the default model's prefill alternated in one process
-# (2 Zen 4 cores, bf16): 1 x 128 tokens 0.85 of the time, 4 x 256 0.89, 16 x 96 0.90 (Q8_0
-# 0.87), 1 x 1024 0.91 (Q4_0).
+# every input: prefill too multiplies the stored tiles (`quant_tiles`; measured with transposed
+# tiles, whose sums the packed ones give), against oneDNN's bfloat16 on the dense copy, the
+# default model's prefill alternated in one process (2 Zen 4 cores, bf16): 1 x 128 tokens 0.85
+# of the time, 4 x 256 0.89, 16 x 96 0.90 (Q8_0 0.87), 1 x 1024 0.91 (Q4_0).
 QUANT_MAX_ROWS_ALL = 1 << 62
 
 
