@@ -9,7 +9,7 @@ PyTorch, with `-O3 -march=native` (the build is for this machine's CPU), into
 `$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name that hashes the
 sources, the flags, PyTorch's version and the CPU, so a change of any of them rebuilds.
 `make install` builds it (`python -m tandem.kernels.cpu`); otherwise the first server
-start on a machine does (about 35 seconds on 2 cores, the four sources compiled side by side).
+start on a machine does (about 35 seconds on 2 cores, the five sources compiled side by side).
 Concurrent builds (tensor-parallel ranks starting together) each work in a temporary
 directory and rename the library into place.
 """
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     CSRC / "decode_attention_cpu.cpp",
+    CSRC / "extend_attention_cpu.cpp",
     CSRC / "elementwise_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
     CSRC / "decode_layer_cpu.cpp",

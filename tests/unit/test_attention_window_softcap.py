@@ -82,7 +82,7 @@ def backends(pools: Pools):
     if native.decode_kernel is not None:
         out.append(("torch_native+cpp", native))
     fallback = TorchNativeAttnBackend(pools.rows, pools.kv, num_heads=HEADS)
-    fallback.decode_kernel = None  # the PyTorch decode path
+    fallback.decode_kernel = fallback.extend_kernel = None  # the PyTorch decode and extend paths
     out.append(("torch_native", fallback))
     if importlib.util.find_spec("triton") is not None:
         from tandem.layers.attention.triton_backend import TritonAttnBackend

@@ -42,7 +42,7 @@ def test_triton_backend_says_nothing_is_compiled(tiny_llama_dir, caplog):
 def test_compiled_decode_says_what_is_compiled(tiny_llama_dir, caplog, monkeypatch):
     """Without the C++ kernel the decode attention is compiled (the compile itself, 5-40 s,
     is tested in test_torch_native_attention.py; skipped here)."""
-    monkeypatch.setattr(TorchNativeAttnBackend, "_cpu_decode_kernel", staticmethod(lambda pool, heads: None))
+    monkeypatch.setattr(TorchNativeAttnBackend, "_cpu_attention_ops", staticmethod(lambda pool, heads: None))
     monkeypatch.setattr(TorchNativeAttnBackend, "_compile_decode", lambda self, heads: None)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         runner = make_runner(tiny_llama_dir, enable_torch_compile=True, attention_backend="torch_native")

@@ -28,8 +28,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int
 
 
 def setup(
-    seq_lens: list[int], dtype: torch.dtype = torch.float32, enable_torch_compile: bool = False, kv_heads: int = KVH
+    seq_lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    enable_torch_compile: bool = False,
+    kv_heads: int = KVH,
+    sdpa_extend: bool = False,
 ):
+    """A backend over a pool holding `seq_lens` requests; `sdpa_extend`: its extend runs the
+    PyTorch path (SDPA groups) where Tandem's C++ extend kernel would."""
     torch.manual_seed(0)
     kv = TokenToKVPool(200, 1, kv_heads, D, dtype, "cpu")
     assert all(buf[0].eq(0).all() for buf in kv.k_buffer + kv.v_buffer), "slot 0 is the zeroed padding slot"
@@ -44,7 +50,10 @@ def setup(
         k, v = torch.randn(n, kv_heads, D).to(dtype).float(), torch.randn(n, kv_heads, D).to(dtype).float()
         kv.set_kv(0, slots, k.to(dtype), v.to(dtype))
         per_req.append((row, slots, k, v))
-    return TorchNativeAttnBackend(rows, kv, enable_torch_compile, H), per_req
+    backend = TorchNativeAttnBackend(rows, kv, enable_torch_compile, H)
+    if sdpa_extend:
+        backend.extend_kernel = None
+    return backend, per_req
 
 
 def batch(mode: ForwardMode, per_req, seq_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
@@ -201,13 +210,15 @@ PREFIXED = [(0, 7), (6, 4), (30, 2), (0, 5), (20, 1), (3, 9)]  # masked groups, 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("kv_heads", [KVH, H], ids=["gqa", "mha"])
 @pytest.mark.parametrize("reqs", [UNIFORM, RAGGED, PREFIXED], ids=["uniform", "ragged", "prefixed"])
-def test_extend_matches_reference(reqs, kv_heads, dtype, tol):
-    """Extend, with and without cached prefixes, batched into padded SDPA groups: every
-    token's output equals per-request causal attention over its own keys (the unowned pool
-    slots hold NaN, so a padded or misplaced read shows), in the pool's dtype."""
+@pytest.mark.parametrize("sdpa_extend", [True, False], ids=["sdpa", "cpu-kernel"])
+def test_extend_matches_reference(reqs, kv_heads, dtype, tol, sdpa_extend):
+    """Extend, with and without cached prefixes, batched into padded SDPA groups (or by the
+    C++ kernel where it is built): every token's output equals per-request causal attention
+    over its own keys (the unowned pool slots hold NaN, so a padded or misplaced read
+    shows), in the pool's dtype."""
     seq_lens = [p + n for p, n in reqs]
     extend_lens = [n for _, n in reqs]
-    backend, per_req = setup(seq_lens, dtype, kv_heads=kv_heads)
+    backend, per_req = setup(seq_lens, dtype, kv_heads=kv_heads, sdpa_extend=sdpa_extend)
     q = torch.randn(sum(extend_lens), H, D).to(dtype)
     fb = batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens)
     backend.init_forward_metadata(fb)
@@ -228,7 +239,7 @@ def test_extend_plan_groups_within_the_padding_bound(reqs):
     output in place (no index)."""
     seq_lens = [p + n for p, n in reqs]
     extend_lens = [n for _, n in reqs]
-    backend, per_req = setup(seq_lens)
+    backend, per_req = setup(seq_lens, sdpa_extend=True)
     backend.init_forward_metadata(batch(ForwardMode.EXTEND, per_req, seq_lens, extend_lens))
     plan = backend.extend_plan
     assert sum(g.size for g in plan.groups) == len(reqs)

@@ -152,6 +152,35 @@ inline void transpose16(vec16* v) {
   }
 }
 
+// The sum and the largest of v's 16 lanes by halves (8 + 8, 4 + 4, ...): shuffles, no scalar
+// loop, in a fixed order.
+inline float halving_sum16(vec16 v) {
+  const ivec16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const ivec16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const ivec16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const ivec16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  v += __builtin_shuffle(v, h8);
+  v += __builtin_shuffle(v, h4);
+  v += __builtin_shuffle(v, h2);
+  v += __builtin_shuffle(v, h1);
+  return v[0];
+}
+inline float halving_max16(vec16 v) {
+  const ivec16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+  const ivec16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const ivec16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+  const ivec16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+  vec16 w = __builtin_shuffle(v, h8);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h4);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h2);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, h1);
+  v = v > w ? v : w;
+  return v[0];
+}
+
 // Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
 inline vec16 lane_sums16(vec16* v) {
   const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};

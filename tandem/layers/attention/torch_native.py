@@ -100,7 +100,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.mixed_parts: tuple[ForwardBatch, ForwardBatch] | None = None
         # An EXTEND forward's (or a mixed batch's prefill part's) SDPA groups.
         self.extend_plan: ExtendPlan | None = None
-        self.decode_kernel = self._cpu_decode_kernel(token_to_kv_pool, num_heads)
+        ops = self._cpu_attention_ops(token_to_kv_pool, num_heads)
+        self.decode_kernel = None if ops is None else ops.decode_attention
+        self.extend_kernel = None if ops is None else ops.extend_attention
+        # An EXTEND forward's (or a mixed batch's prefill part's) prefix and extend lengths
+        # as CPU tensors, for `extend_kernel` (which then runs instead of `extend_plan`).
+        self.extend_lens: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compiled_decode = (
             torch.compile(paged_decode) if enable_torch_compile and self.decode_kernel is None else None
         )
@@ -108,13 +113,13 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._compile_decode(num_heads)
 
     @staticmethod
-    def _cpu_decode_kernel(kv_pool: TokenToKVPool, num_heads: int):
-        """The C++ decode kernel when the pool is on CPU and its shapes suit it, else None."""
+    def _cpu_attention_ops(kv_pool: TokenToKVPool, num_heads: int):
+        """Tandem's C++ kernels (decode and extend attention) when the pool is on CPU and its
+        shapes suit them, else None."""
         _, kv_heads, head_dim = kv_pool.k_buffer[0].shape
         if kv_pool.k_buffer[0].device.type != "cpu" or head_dim % 16 or head_dim > 256 or num_heads > 64 * kv_heads:
             return None
-        ops = cpu_kernels.load()
-        return None if ops is None else ops.decode_attention
+        return cpu_kernels.load()
 
     @torch.inference_mode()
     def _compile_decode(self, num_heads: int) -> None:
@@ -146,7 +151,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._kv_table(decode) if decode.forward_mode.is_decode() and self.decode_kernel is None else None
         )
         prefill = self.mixed_parts[0] if self.mixed_parts else forward_batch
-        self.extend_plan = plan_extend(prefill, self.req_to_token) if prefill.forward_mode.is_extend() else None
+        extend = prefill.forward_mode.is_extend()
+        self.extend_lens = self.extend_plan = None
+        if extend and self.extend_kernel is not None:
+            self.extend_lens = (torch.tensor(prefill.prefix_lens_cpu), torch.tensor(prefill.extend_lens_cpu))
+        elif extend:
+            self.extend_plan = plan_extend(prefill, self.req_to_token)
 
     def forward(
         self, q, layer_id, forward_batch, scaling, num_heads, num_kv_heads, head_dim, sliding_window=0, logit_cap=0.0
@@ -292,9 +302,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         kernel in bfloat16 is then up to 5x faster for few queries over a long prefix,
         while `is_causal` (which skips the blocks above the diagonal) wins on long prompts.
         A windowed layer's group runs SDPA with its windowed mask, a soft-capped layer's
-        `masked_attention` (float32 scores)."""
+        `masked_attention` (float32 scores). On CPU Tandem's C++ kernel (`extend_kernel`) runs
+        instead: each request's queries against its keys in place, in float32, window and
+        soft-cap included (tandem/kernels/csrc/extend_attention_cpu.cpp)."""
         k_cache = self.kv_pool.k_buffer[layer_id]
         v_cache = self.kv_pool.v_buffer[layer_id]
+        if self.extend_kernel is not None:
+            prefix_lens, extend_lens = self.extend_lens
+            return self.extend_kernel(
+                q.view(-1, num_heads, head_dim),
+                k_cache,
+                v_cache,
+                self.req_to_token,
+                forward_batch.req_pool_indices,
+                prefix_lens,
+                extend_lens,
+                scaling,
+                sliding_window,
+                logit_cap,
+            )
         group_heads = num_heads // num_kv_heads
         plan = self.extend_plan
         outs = []
