@@ -54,7 +54,7 @@ ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0}
 # dtype: (the widest near tie: an answer may leave the dequantized model's only at a token
 # whose top two logprobs there are at most this far apart; answers equal entirely (of 8), at
 # least; the share of the dequantized answers' tokens in the leading runs that agree, at least).
-GREEDY_BOUNDS = {"float32": (0.01, 6, 0.90), "bfloat16": (0.3, 0, 0.35)}
+GREEDY_BOUNDS = {"float32": (0.01, 6, 0.90), "bfloat16": (0.3, 0, 0.20)}
 # dtype: the most the perplexity may differ from the dequantized model's, relative.
 PERPLEXITY_BOUNDS = {"float32": 0.001, "bfloat16": 0.01}
 
@@ -122,11 +122,14 @@ def test_greedy_tokens_agree(engines, tokenizer):
     the dequantized model's, token by token: an answer may leave the dequantized one only at
     a near tie of the dequantized model (its top two logprobs at that token within 0.01 in
     float32, 0.3 in bfloat16); and at least, float32: 6 of 8 answers equal entirely, 90% of
-    the dequantized answers' tokens in the leading runs that agree; bfloat16: 35% of them.
+    the dequantized answers' tokens in the leading runs that agree; bfloat16: 20% of them.
     Measured, float32: all 8 answers equal (213 of 213 tokens). bfloat16: leading runs of 0,
-    13, 13, 27, 12, 1, 29, 10 tokens (105 of 210, 50%), one answer equal entirely; the
-    dequantized model's margins where they part: 0.125, 0.125, 0.0625, 0, 0.25, 0, 0 (0: an
-    exact tie in bfloat16's logits).
+    5, 13, 0, 12, 1, 15, 10 tokens (56 of 210, 27%), no answer equal entirely; the dequantized
+    model's margins where they part: 0.25, 0.125 (six), 0 (an exact tie in bfloat16's logits).
+    (With PyTorch's SDPA for prefill attention, which rounds its softmax weights to bfloat16,
+    the two agreed on 105-132 of 210 tokens: both carried that same rounding. Tandem's C++
+    prefill kernel keeps them in float32, and against the float32 dequantized model's answers
+    the bfloat16 dequantized model's leading runs rose from 64 to 143 of 210 tokens.)
     In float32 the kernel multiplies float32 rows by the exact dequantized weights (only the
     order of the sums differs), so only a near-tie may flip, late. In bfloat16 the models
     differ by more: the dense weights are the dequantized values rounded to bfloat16, the
