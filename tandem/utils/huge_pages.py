@@ -1,4 +1,5 @@
-"""An arena of transparent huge pages, for the weights every decode step streams.
+"""An arena of transparent huge pages, for the weights every decode step streams and the
+KV cache every decode step's attention reads.
 
 A decode step at batch 1 reads each quantized weight once, one stream per linear layer.
 In 4 KB pages such a stream crosses a page every 4 KB: a TLB miss each time (a small
@@ -62,10 +63,17 @@ class HugePageArena:
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `t` in the arena (same dtype, shape and values)."""
-        nbytes = t.numel() * t.element_size()
+        out = self.empty(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor in the next free, 64-byte aligned part of the arena, its
+        values whatever is there (zeros where no page was touched yet: the kernel maps a
+        page when it is first written or read)."""
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
         if self._next + nbytes > self._end:
             raise ValueError(f"the arena has {self._end - self._next} bytes left, not {nbytes}")
-        out = self._buffer[self._next : self._next + nbytes].view(t.dtype).view(t.shape)
-        out.copy_(t)
+        out = self._buffer[self._next : self._next + nbytes].view(dtype).view(shape)
         self._next += -(-nbytes // ALIGN) * ALIGN
         return out

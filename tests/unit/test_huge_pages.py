@@ -65,3 +65,35 @@ def test_the_arena_is_backed_by_huge_pages():
     copy = arena.take(big)
     assert arena.huge
     assert anon_huge_kb(copy.data_ptr()) >= 2048
+
+
+def test_empty_gives_aligned_tensors_and_refuses_past_the_end():
+    arena = HugePageArena(HugePageArena.size_of([torch.empty(3, 5), torch.empty(10, dtype=torch.uint8)]))
+    a = arena.empty((3, 5), torch.float32)
+    b = arena.empty((10,), torch.uint8)
+    assert a.shape == (3, 5) and a.dtype == torch.float32 and a.is_contiguous()
+    assert a.data_ptr() % ALIGN == 0 and b.data_ptr() % ALIGN == 0 and b.data_ptr() >= a.data_ptr() + 60
+    a.fill_(1.0)
+    b.fill_(7)
+    assert a.eq(1.0).all() and b.eq(7).all()  # the two do not overlap
+    with pytest.raises(ValueError, match="bytes left"):
+        arena.empty((1,), torch.uint8)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages are not available here",
+)
+def test_the_cpu_kv_pool_lies_in_huge_pages():
+    """The KV pool's buffers on CPU (decode attention reads them all over): in huge pages
+    once touched, and usable as before."""
+    from tandem.mem_cache.memory_pool import TokenToKVPool
+
+    pool = TokenToKVPool(20000, 2, 3, 64, torch.bfloat16, "cpu")
+    k = pool.k_buffer[1]
+    assert k.shape == (20001, 3, 64) and k[0].eq(0).all()
+    k.fill_(1.0)  # touch every page
+    assert anon_huge_kb(k.data_ptr()) >= 2048
+    slots = pool.alloc(3)
+    pool.set_kv(1, slots, torch.full((3, 3, 64), 2.0).bfloat16(), torch.full((3, 3, 64), 3.0).bfloat16())
+    assert pool.k_buffer[1][slots].eq(2.0).all() and pool.v_buffer[1][slots].eq(3.0).all()
