@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.forward_batch import ForwardBatch, ForwardMode
+from tandem.forward_batch import ForwardMode
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 from tests.unit.test_cpu_decode_kernel import make_pool, needs_kernel, ops
+from tests.unit.test_torch_native_attention import batch
 
 
 def reference(q, per_req, prefix_lens, scale, window=0, softcap=0.0):
@@ -118,18 +119,7 @@ def test_backend_extends_with_the_kernel():
     assert backend.extend_kernel is not None
     tokens = sum(e for _, e in lens)
     q = torch.randn(tokens, num_heads, head_dim).to(dtype)
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=len(lens),
-        input_ids=torch.zeros(tokens, dtype=torch.int64),
-        positions=torch.zeros(tokens, dtype=torch.int64),
-        out_cache_loc=torch.zeros(tokens, dtype=torch.int64),
-        req_pool_indices=torch.tensor([r[0] for r in per_req]),
-        seq_lens=torch.tensor(seq_lens),
-        seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=[p for p, _ in lens],
-        extend_lens_cpu=[e for _, e in lens],
-    )
+    fb = batch(ForwardMode.EXTEND, per_req, seq_lens, [e for _, e in lens])
     backend.init_forward_metadata(fb)
     assert backend.extend_plan is None
     out = backend.forward(q.reshape(tokens, -1), 0, fb, head_dim**-0.5, num_heads, kv_heads, head_dim)
