@@ -118,11 +118,17 @@ def check_decode_attention(dtype, tol, num_heads, kv_heads, head_dim, seq_lens):
     torch.testing.assert_close(out.double(), reference(q, per_req, scale), atol=tol, rtol=tol)
 
 
+def one_request_args() -> tuple:
+    """The attention kernels' leading arguments after q (k, v, req_to_token, req_pool_indices)
+    for a pool of one 4-token request, 2 KV heads of 64, float32."""
+    kv, rows, per_req = make_pool([4], 4, 2, 64, torch.float32)
+    return kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token, torch.tensor([per_req[0][0]])
+
+
 @needs_kernel
 def test_decode_attention_refuses_bad_input():
-    kv, rows, per_req = make_pool([4], 4, 2, 64, torch.float32)
     q = torch.randn(1, 4, 64)
-    args = (kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token, torch.tensor([per_req[0][0]]))
+    args = one_request_args()
     with pytest.raises(RuntimeError, match="int64"):
         ops.decode_attention(q, *args, torch.tensor([4], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match="dtype"):

@@ -12,7 +12,7 @@ import torch
 
 from tandem.forward_batch import ForwardMode
 from tandem.layers.attention.torch_native import TorchNativeAttnBackend
-from tests.unit.test_cpu_decode_kernel import make_pool, needs_kernel, ops
+from tests.unit.test_cpu_decode_kernel import make_pool, needs_kernel, one_request_args, ops
 from tests.unit.test_torch_native_attention import batch
 
 
@@ -92,9 +92,8 @@ def test_rows_do_not_depend_on_chunks_or_neighbours(window):
 
 @needs_kernel
 def test_extend_attention_refuses_bad_input():
-    kv, rows, per_req = make_pool([4], 4, 2, 64, torch.float32)
     q = torch.randn(4, 4, 64)
-    args = (kv.k_buffer[0], kv.v_buffer[0], rows.req_to_token, torch.tensor([per_req[0][0]]))
+    args = one_request_args()
     with pytest.raises(RuntimeError, match="sum to q's tokens"):
         ops.extend_attention(q, *args, torch.tensor([0]), torch.tensor([3]), 0.125)
     with pytest.raises(RuntimeError, match="int64"):
