@@ -152,33 +152,22 @@ inline void transpose16(vec16* v) {
   }
 }
 
-// The sum and the largest of v's 16 lanes by halves (8 + 8, 4 + 4, ...): shuffles, no scalar
-// loop, in a fixed order.
-inline float halving_sum16(vec16 v) {
-  const ivec16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const ivec16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const ivec16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const ivec16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  v += __builtin_shuffle(v, h8);
-  v += __builtin_shuffle(v, h4);
-  v += __builtin_shuffle(v, h2);
-  v += __builtin_shuffle(v, h1);
+// v's 16 lanes reduced by halves (lanes 8 apart combined, then 4, 2, 1): shuffles, no scalar
+// loop, in a fixed order; the sum and the largest.
+template <typename F>
+inline float halving16(vec16 v, F combine) {
+  static const ivec16 kHalves[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                                    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                                    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+  for (const ivec16& half : kHalves) v = combine(v, __builtin_shuffle(v, half));
   return v[0];
 }
+inline float halving_sum16(vec16 v) {
+  return halving16(v, [](vec16 a, vec16 b) { return a + b; });
+}
 inline float halving_max16(vec16 v) {
-  const ivec16 h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const ivec16 h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const ivec16 h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const ivec16 h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  vec16 w = __builtin_shuffle(v, h8);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h4);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h2);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, h1);
-  v = v > w ? v : w;
-  return v[0];
+  return halving16(v, [](vec16 a, vec16 b) { return a > b ? a : b; });
 }
 
 // Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).

@@ -1,15 +1,16 @@
 """Attention in plain PyTorch over the paged KV pool: runs on any device.
 
 Requests are ragged; the model never computes padded tokens:
-- EXTEND: requests of similar sizes are attended together by one SDPA call over a padded
-  block (extend_plan.py): causal without a mask (grouped-query heads through SDPA's
+- EXTEND and DECODE on CPU: Tandem's C++ kernels (tandem/kernels/csrc/extend_attention_cpu.cpp,
+  decode_attention_cpu.cpp) read each request's keys and values in place through the
+  request's row of the ReqToTokenPool, in float32, requests in parallel, window and soft-cap
+  included (docs/architecture.md, "Attention backends"). They are built for the machine on
+  first use (tandem/kernels/cpu.py); where they cannot be (no C++ compiler) or the shapes do
+  not suit them (head_dim not a multiple of 16), the PyTorch paths below run instead.
+- EXTEND elsewhere: requests of similar sizes are attended together by one SDPA call over a
+  padded block (extend_plan.py): causal without a mask (grouped-query heads through SDPA's
   `enable_gqa`) when they have no cached prefix, else a prefix-offset causal mask with the
   query heads that share a KV head stacked on SDPA's query axis.
-- DECODE on CPU: Tandem's C++ kernel (tandem/kernels/csrc/decode_attention_cpu.cpp) reads
-  each request's keys and values in place through the request's row of the ReqToTokenPool,
-  in float32, requests in parallel (docs/architecture.md, "Attention backends"). It is built for the machine on
-  first use (tandem/kernels/cpu.py); where it cannot be (no C++ compiler) or the shapes do
-  not suit it (head_dim not a multiple of 16), the PyTorch paths below run instead.
 - DECODE elsewhere: one query per request, a handful of kernels per layer whatever the
   batch size. When lengths are similar, each request's keys are gathered into a [bs, max_len] block
   with a length mask and one SDPA call runs (fastest on CPU). When they are very uneven,
@@ -20,7 +21,7 @@ Requests are ragged; the model never computes padded tokens:
   Inductor, which reads K and V through the slot table in place (no gathered copy); it is
   compiled when the backend is built (server start), not on the first request.
 - SLIDING WINDOW and LOGIT SOFT-CAP (per layer: `sliding_window`, `logit_cap`): the C++
-  decode kernel takes both; extend with a window only runs SDPA with the windowed causal
+  kernels take both; elsewhere extend with a window only runs SDPA with the windowed causal
   mask (`ExtendGroup.window_mask`); a soft-capped layer's extend, and the PyTorch decode
   of either, compute the scores explicitly in float32 (`masked_attention`: SDPA cannot
   soft-cap). The keys before a window stay in the pool, masked.
