@@ -125,8 +125,9 @@ def test_large_batches_and_unquantized_layers_take_the_python_layer(gguf_files):
 
 
 def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_files, threads):
-    """A check that fails inside the region (here: heads that do not match the QKV output) is
-    a RuntimeError naming it, on every thread count; the same op then runs again."""
+    """A check that fails inside the region (here: a new token's slot out of the pool, met by the
+    KV write) is a RuntimeError naming it, on every thread count, as is one met before it (heads
+    that do not match the QKV output); the same op then runs again."""
     runner = make_runner(gguf_files["llama"], dtype="float32")
     model = runner.model.model
     stack = model._fused_stack()
@@ -143,8 +144,11 @@ def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_fi
         torch.ones(1, dtype=torch.int64),
     )
     args = (eps, cos_sin, pool.k_buffer[:n], pool.v_buffer[:n], *tables, scale)
-    with pytest.raises(RuntimeError, match="QKV output does not match the heads"):
+    with pytest.raises(RuntimeError, match="do not match the heads"):
         op(hidden, weights, layout, *args, heads + 1, kv_heads)
+    outside = torch.full((1,), pool.k_buffer[0].shape[0] + 5, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="kv_write: slot .* out of range"):
+        op(hidden, weights, layout, eps, cos_sin, pool.k_buffer[:n], pool.v_buffer[:n], outside, *tables[1:], scale, heads, kv_heads)
     out, residual = op(hidden, weights, layout, *args, heads, kv_heads)
     assert out.shape == residual.shape == hidden.shape and torch.isfinite(out).all()
 

@@ -83,94 +83,105 @@ struct Failure {
 };
 
 // Layers [0, L) of a decode batch in one OpenMP region: each kernel runs on every thread (its
-// Share of the output columns, attention tasks or rows: the rotation, KV write and SiLU) or on
-// thread 0 (the row-wise norms, and the allocations), with a barrier after each,
-// so the threads fork and join once per call instead of once per kernel. Each output element
-// is computed by one thread by the same code as the separate kernel calls, so the result is
-// theirs bit for bit.
-std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<at::Tensor> residual,
+// Share of the output columns, attention tasks or rows: the norms, rotation, KV write and SiLU),
+// with a barrier after each, so the threads fork and join once per call instead of once per
+// kernel; the buffers every layer writes are allocated once, before the region (the layers
+// are one model's: one set of shapes), so no thread waits while another allocates. Each output
+// element is computed by one thread by the same code as the separate kernel calls, so the
+// result is theirs bit for bit.
+std::tuple<at::Tensor, at::Tensor> run_layers(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
                                               const std::vector<Layer>& layers, const Step& step) {
-  const int64_t n = hidden.size(0);
+  TORCH_CHECK(!layers.empty(), "decode_layers: no layers");
+  const int64_t n = hidden.size(0), width = hidden.size(1);
+  const Layer& first = layers.front();
+  const int64_t head_dim = first.k_cache.size(2);
+  const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
+  for (const Layer& layer : layers)
+    TORCH_CHECK(layer.k_cache.size(2) == head_dim && layer.qkv.out() == q_size + 2 * kv_size &&
+                    layer.o.out() == width && layer.gate_up.out() == first.gate_up.out() && layer.down.out() == width,
+                "decode_layers: the layers' shapes differ (or do not match the heads and the hidden size)");
   Failure failure;
-  at::Tensor h, qkv, attn, o, h2, gu, act, out;
+  const auto opts = hidden.options();
+  // h: the normed input; o: the attention's projection, then the residual stream after it;
+  // out: the MLP's output, then (the next layer's norm adds the residual to it in place) the
+  // residual stream before the next attention. Each is read by the layer's later phases only.
+  at::Tensor h = at::empty({n, width}, opts), qkv = at::empty({n, q_size + 2 * kv_size}, opts),
+             attn = at::empty({n, step.num_heads, head_dim}, opts), o = at::empty({n, width}, opts),
+             h2 = at::empty({n, width}, opts), gu = at::empty({n, first.gate_up.out()}, opts),
+             act = at::empty({n, first.gate_up.out() / 2}, opts), out = at::empty({n, width}, opts);
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, step.num_heads, head_dim});
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   // Room for decode attention's split keys, the same for every layer (one pool shape, one
-  // batch): allocated once, before the region.
+  // batch).
   const at::Tensor partial = at::empty(
-      {tandem_cpu::decode_attention_partial_floats(n, step.num_heads, layers.front().k_cache, step.seq_lens,
+      {tandem_cpu::decode_attention_partial_floats(n, step.num_heads, first.k_cache, step.seq_lens,
                                                    Share{0, threads, threads > 1})},
-      hidden.options().dtype(at::kFloat));
-  // Every layer's phases: fn(all, work) runs work on every thread of the region (all) or on
-  // thread 0, then waits for the others.
+      opts.dtype(at::kFloat));
+  // Every layer's phases: phase(work) runs work on this thread, then waits for the others.
   auto each_layer = [&](const Share& share, auto&& phase) {
-    for (const Layer& layer : layers) {
-      const int64_t head_dim = layer.k_cache.size(2);
-      const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
-      phase(false, [&] {
-        h = residual.has_value() ? tandem_cpu::fused_add_rms_norm(hidden, *residual, layer.input_norm, step.eps)
-                                 : tandem_cpu::rms_norm(hidden, layer.input_norm, step.eps);
-        qkv = at::empty({n, layer.qkv.out()}, hidden.options());
-        attn = at::empty({n, step.num_heads, head_dim}, hidden.options());
-        o = at::empty({n, layer.o.out()}, hidden.options());
+    // This thread's rows (the row-wise phases), and with fewer rows than threads its columns
+    // of the SiLU; their views, made once.
+    int64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+    const int64_t d = act.size(1);
+    share.run(n, 1, [&](int64_t b, int64_t e) { r0 = b, r1 = e; });
+    if (n >= share.threads) {
+      c1 = d;
+    } else {
+      r0 = 0, r1 = n;
+      share.run(d, 1, [&](int64_t b, int64_t e) { c0 = b, c1 = e; });
+    }
+    const int64_t rows = std::max<int64_t>(r1 - r0, 0);
+    at::Tensor mine = qkv.narrow(0, r0, rows);
+    at::Tensor qk = mine.narrow(1, 0, q_size + kv_size).view({rows, step.num_heads + step.num_kv_heads, head_dim});
+    at::Tensor k_new = qk.narrow(1, step.num_heads, step.num_kv_heads);
+    const at::Tensor v_new = mine.narrow(1, q_size + kv_size, kv_size).view({rows, step.num_kv_heads, head_dim});
+    const at::Tensor cos_sin = step.cos_sin.narrow(0, r0, rows), slots = step.slots.narrow(0, r0, rows);
+    const bool norm_rows = n >= share.threads ? rows > 0 : share.tid == 0;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& layer = layers[l];
+      // The layer's input (the first: the caller's, which receives hidden + residual in place
+      // as the fused norm does) and the residual added to it.
+      at::Tensor x = l == 0 ? hidden : out;
+      const at::Tensor* res = l == 0 ? (residual.has_value() ? &*residual : nullptr) : &o;
+      phase([&] {
+        if (norm_rows) tandem_cpu::rms_norm_rows_into(x, res, layer.input_norm, step.eps, h, r0, r1);
       });
-      phase(true, [&] { layer.qkv.into(h, qkv, share); });
-      phase(true, [&] {  // each thread rotates and writes its share of the rows
-        TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: the QKV output does not match the heads");
-        share.run(n, 1, [&](int64_t r0, int64_t r1) {
-          const at::Tensor rows = r1 - r0 == n ? qkv : qkv.narrow(0, r0, r1 - r0);
-          const int64_t count = r1 - r0;
-          at::Tensor qk = rows.narrow(1, 0, q_size + kv_size).view({count, step.num_heads + step.num_kv_heads, head_dim});
-          tandem_cpu::rotary_embedding(qk, count == n ? step.cos_sin : step.cos_sin.narrow(0, r0, count));
-          at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache;
-          tandem_cpu::kv_write(k_cache, v_cache, count == n ? step.slots : step.slots.narrow(0, r0, count),
-                               qk.narrow(1, step.num_heads, step.num_kv_heads),
-                               rows.narrow(1, q_size + kv_size, kv_size).view({count, step.num_kv_heads, head_dim}));
-        });
+      phase([&] { layer.qkv.into(h, qkv, share); });
+      phase([&] {  // each thread rotates and writes its share of the rows
+        if (!norm_rows || rows == 0) return;
+        tandem_cpu::rotary_embedding(qk, cos_sin);
+        at::Tensor k_cache = layer.k_cache, v_cache = layer.v_cache;
+        tandem_cpu::kv_write(k_cache, v_cache, slots, k_new, v_new);
       });
-      phase(true, [&] {
+      phase([&] {
         TORCH_CHECK(partial.numel() == tandem_cpu::decode_attention_partial_floats(n, step.num_heads, layer.k_cache,
                                                                                     step.seq_lens, share),
                     "decode_layer: the region has other threads than asked for");
-        const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, step.num_heads, head_dim});
         tandem_cpu::decode_attention_into(q, layer.k_cache, layer.v_cache, step.req_to_token, step.req_pool_indices,
                                           step.seq_lens, step.scale, 0, 0.0, attn, share,
                                           partial.numel() > 0 ? partial.data_ptr<float>() : nullptr);
       });
-      phase(true, [&] { layer.o.into(attn.view({n, q_size}), o, share); });
-      phase(false, [&] {
-        h2 = tandem_cpu::fused_add_rms_norm(o, hidden, layer.post_norm, step.eps);
-        gu = at::empty({n, layer.gate_up.out()}, hidden.options());
-        act = at::empty({n, layer.gate_up.out() / 2}, hidden.options());
-        out = at::empty({n, layer.down.out()}, hidden.options());
+      phase([&] { layer.o.into(attn.view({n, q_size}), o, share); });
+      phase([&] {
+        if (norm_rows) tandem_cpu::rms_norm_rows_into(o, &x, layer.post_norm, step.eps, h2, r0, r1);
       });
-      phase(true, [&] { layer.gate_up.into(h2, gu, share); });
-      phase(true, [&] {  // each thread its share of the rows
-        share.run(n, 1, [&](int64_t r0, int64_t r1) {
-          if (r1 - r0 == n) {
-            tandem_cpu::silu_and_mul_into(gu, act);
-          } else {
-            at::Tensor rows = act.narrow(0, r0, r1 - r0);
-            tandem_cpu::silu_and_mul_into(gu.narrow(0, r0, r1 - r0), rows);
-          }
-        });
+      phase([&] { layer.gate_up.into(h2, gu, share); });
+      phase([&] {
+        if (rows > 0 && c1 > c0) tandem_cpu::silu_and_mul_part(gu, act, r0, r1, c0, c1);
       });
-      phase(true, [&] { layer.down.into(act, out, share); });
-      if (share.tid == 0) {  // the next layer's input; only thread 0's phases read these (no barrier needed)
-        hidden = out;
-        residual = o;
-      }
+      phase([&] { layer.down.into(act, out, share); });
     }
   };
   if (threads == 1) {  // no region
-    each_layer(Share{}, [](bool, auto&& fn) { fn(); });
+    each_layer(Share{0, 1, true}, [](auto&& fn) { fn(); });
   } else {
 #pragma omp parallel num_threads(threads)
     {
       const Share share{omp_get_thread_num(), omp_get_num_threads(), true};
-      // fn on every thread (all) or thread 0, then a barrier; nothing once any thread failed
-      // (a failure is seen by all after the barrier that follows it).
-      each_layer(share, [&](bool all, auto&& fn) {
-        if ((all || share.tid == 0) && !failure.failed) {
+      // fn, then a barrier; nothing once any thread failed (a failure is seen by all after the
+      // barrier that follows it).
+      each_layer(share, [&](auto&& fn) {
+        if (!failure.failed) {
           try {
             fn();
           } catch (...) {
@@ -182,8 +193,7 @@ std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor hidden, c10::optional<a
     }
   }
   if (failure.error) std::rethrow_exception(failure.error);
-  TORCH_CHECK(residual.has_value(), "decode_layers: no layers");
-  return {hidden, *residual};
+  return {out, o};
 }
 
 }  // namespace

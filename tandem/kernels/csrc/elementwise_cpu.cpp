@@ -76,53 +76,63 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t width, float e
   }
 }
 
+// Rows [begin, end) of x: x += residual first where there is one (in place, x's dtype), then
+// out = norm(x) (out contiguous, x's width).
 template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
-  const Rows<T> in = Rows<T>::of(x);
-  T* out_ptr = out.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, in.count, tandem_cpu::row_grain(in.width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(in[r], w, out_ptr + r * in.width, in.width, eps);
-  });
-}
-
-template <typename T>
-void fused_add_rms_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
-                             at::Tensor& out) {
-  const Rows<T> sum = Rows<T>::of(x), res = Rows<T>::of(residual);
-  T* out_ptr = out.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, sum.count, tandem_cpu::row_grain(sum.width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* s = sum[r];
-      const T* rr = res[r];
-      for (int64_t i = 0; i < sum.width; i += 16) {
-        const int64_t n = std::min<int64_t>(16, sum.width - i);
+void norm_rows(const Rows<T>& x, const Rows<T>* residual, const T* weight, T* out, float eps, int64_t begin,
+               int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    T* s = x[r];
+    if (residual != nullptr) {
+      const T* rr = (*residual)[r];
+      for (int64_t i = 0; i < x.width; i += 16) {
+        const int64_t n = std::min<int64_t>(16, x.width - i);
         store_n(s + i, load_n(s + i, n) + load_n(rr + i, n), n);
       }
-      norm_row(s, w, out_ptr + r * sum.width, sum.width, eps);
     }
-  });
+    norm_row(s, weight, out + r * x.width, x.width, eps);
+  }
+}
+
+// rms_norm (no residual) or fused_add_rms_norm of x's rows into out, split over PyTorch's
+// threads, or rows [begin, end) only on the calling thread where begin >= 0.
+template <typename T>
+void norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out,
+               int64_t begin = -1, int64_t end = -1) {
+  const Rows<T> rows = Rows<T>::of(x);
+  const Rows<T> res = residual != nullptr ? Rows<T>::of(*residual) : rows;
+  const Rows<T>* added = residual != nullptr ? &res : nullptr;
+  T* out_ptr = out.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  if (begin >= 0) return norm_rows(rows, added, w, out_ptr, eps, begin, end);
+  at::parallel_for(0, rows.count, tandem_cpu::row_grain(rows.width),
+                   [&](int64_t b, int64_t e) { norm_rows(rows, added, w, out_ptr, eps, b, e); });
 }
 
 // silu(g) = g / (1 + exp(-g)), as PyTorch's vectorized SiLU.
 inline vec16 silu16(vec16 g) { return g / (1.f + exp16(-g)); }
 
+// Rows [r0, r1) x columns [c0, c1) of silu_and_mul (out contiguous [rows, d]). Each value is
+// computed alone, so any split of the rows or columns gives the same values.
+template <typename T>
+void silu_part(const Rows<T>& in, T* out, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t d = in.width / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate = in[r];
+    const T* up = gate + d;
+    for (int64_t i = c0; i < c1; i += 16) {
+      const int64_t n = std::min<int64_t>(16, c1 - i);
+      store_n(out + r * d + i, round_to<T>(silu16(load_n(gate + i, n))) * load_n(up + i, n), n);
+    }
+  }
+}
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const Rows<T> in = Rows<T>::of(x);
-  const int64_t d = in.width / 2;
   T* out_ptr = out.data_ptr<T>();
-  at::parallel_for(0, in.count, tandem_cpu::row_grain(in.width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = in[r];
-      const T* up = gate + d;
-      for (int64_t i = 0; i < d; i += 16) {
-        const int64_t n = std::min<int64_t>(16, d - i);
-        store_n(out_ptr + r * d + i, round_to<T>(silu16(load_n(gate + i, n))) * load_n(up + i, n), n);
-      }
-    }
-  });
+  at::parallel_for(0, in.count, tandem_cpu::row_grain(in.width),
+                   [&](int64_t begin, int64_t end) { silu_part(in, out_ptr, begin, end, 0, in.width / 2); });
 }
 
 // Rotates the first `rot` elements of each row: with halves x1, x2 and the table's cos and
@@ -181,7 +191,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
               "rms_norm: weight must be [width], contiguous");
   auto out = at::empty(x.sizes(), x.options());
-  dispatch(x, "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, eps, out); });
+  dispatch(x, "rms_norm", [&](auto t) { norm_impl<decltype(t)>(x, nullptr, weight, eps, out); });
   return out;
 }
 
@@ -193,7 +203,7 @@ at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const a
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
               "fused_add_rms_norm: weight must be [width], contiguous");
   auto out = at::empty(x.sizes(), x.options());
-  dispatch(x, "fused_add_rms_norm", [&](auto t) { fused_add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out); });
+  dispatch(x, "fused_add_rms_norm", [&](auto t) { norm_impl<decltype(t)>(x, &residual, weight, eps, out); });
   return out;
 }
 
@@ -212,6 +222,30 @@ void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
                   out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
               "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
   dispatch(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+}
+
+// Rows [begin, end) of rms_norm(x) (no residual) or of fused_add_rms_norm(x, residual) into out
+// (contiguous, x's shape and dtype), on the calling thread: a share of the norm for a thread of a
+// team (decode_layers).
+void rms_norm_rows_into(at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                        at::Tensor& out, int64_t begin, int64_t end) {
+  check(x, weight, "rms_norm");
+  TORCH_CHECK(residual == nullptr || residual->sizes() == x.sizes(), "fused_add_rms_norm: x and residual must have one shape");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: out must be contiguous, x's shape and dtype");
+  TORCH_CHECK(0 <= begin && begin <= end && end <= x.size(0) && x.dim() == 2, "rms_norm: rows out of range");
+  dispatch(x, "rms_norm", [&](auto t) { norm_impl<decltype(t)>(x, residual, weight, eps, out, begin, end); });
+}
+
+// Rows [r0, r1) x columns [c0, c1) of silu_and_mul_into, on the calling thread.
+void silu_and_mul_part(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  check(x, x, "silu_and_mul");
+  TORCH_CHECK(x.dim() == 2 && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) * 2 == x.size(1) && out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= x.size(0) && 0 <= c0 && c0 <= c1 && c1 <= out.size(1),
+              "silu_and_mul: part out of range");
+  dispatch(x, "silu_and_mul", [&](auto t) { silu_part<decltype(t)>(Rows<decltype(t)>::of(x), out.data_ptr<decltype(t)>(), r0, r1, c0, c1); });
 }
 
 // x [tokens, heads, head_dim] (any strides but the last), rotated in place by cos_sin
