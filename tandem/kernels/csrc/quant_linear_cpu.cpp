@@ -378,6 +378,11 @@ void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale,
 // vnni_rows; only the float additions come in another order.
 constexpr int64_t kGemmRows = 8;
 constexpr int kGemmBlock = 4;
+// Rows of x a packed tile's block takes (gemv_block) where x has at most kGemvFewRows rows: 5-8
+// rows took 0.92-0.94 of the step in blocks of up to 6, but 512 rows (a prefill) 1.03 (2 Zen 4
+// threads, Q4_0); more rows go in blocks of kGemmBlock.
+constexpr int kGemvBlock = 6;
+constexpr int64_t kGemvFewRows = 8;
 constexpr int kSubs = kTileRows / 16;  // vectors of 16 outputs per tile
 // Vectors per group and 16 outputs of a packed tile (gemv_rows): the group's bytes, 4 per lane.
 constexpr int packed_vectors(int bits, int group) { return (bits == 4 ? group / 2 : group) / 4; }
@@ -682,44 +687,53 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
     // the stream kPrefetch bytes ahead, a line for each line read
     prefetch_bytes(at + kPrefetch, group_bytes);
-    __m512i even[NR][kSubs], odd[NR][kSubs];
+    // Two integer sums per output (the low / high nibbles, the even / odd dwords) up to 4 rows,
+    // one above (registers: 4 rows with one chain took 1.05x the time, 6 with two spilled).
+    constexpr bool kTwo = NR <= 4;
+    __m512i sum[NR][kSubs], sum2[kTwo ? NR : 1][kSubs];
+    auto second = [&](int r, int s) -> __m512i& { return kTwo ? sum2[r][s] : sum[r][s]; };
     for (int r = 0; r < NR; ++r) {
       const __m512i start = SYM ? _mm512_set1_epi32(-sym * X.isum[(r0 + r) * G + g]) : _mm512_setzero_si512();
       for (int s = 0; s < kSubs; ++s) {
-        even[r][s] = start;
-        odd[r][s] = _mm512_setzero_si512();
+        sum[r][s] = start;
+        if constexpr (kTwo) sum2[r][s] = _mm512_setzero_si512();
       }
     }
 #pragma GCC unroll 8
     for (int v = 0; v < kV; ++v) {
       for (int s = 0; s < kSubs; ++s) {
         const __m512i wv = _mm512_load_si512(w + v * kSubs + s);
+        if constexpr (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(wv, low4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; ++r) {
-          const int8_t* xr = qx + r * X.stride + GROUP * g;
-          int32_t a;
-          std::memcpy(&a, xr + 4 * v, 4);
-          if constexpr (BITS == 4) {
-            int32_t b;
+          for (int r = 0; r < NR; ++r) {
+            const int8_t* xr = qx + r * X.stride + GROUP * g;
+            int32_t a, b;
+            std::memcpy(&a, xr + 4 * v, 4);
             std::memcpy(&b, xr + 16 + 4 * v, 4);
-            even[r][s] = _mm512_dpbusd_epi32(even[r][s], _mm512_and_si512(wv, low4), _mm512_set1_epi32(a));
-            odd[r][s] = _mm512_dpbusd_epi32(odd[r][s], _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4),
-                                            _mm512_set1_epi32(b));
-          } else if (v % 2 == 0) {
-            even[r][s] = _mm512_dpbusd_epi32(even[r][s], wv, _mm512_set1_epi32(a));
-          } else {
-            odd[r][s] = _mm512_dpbusd_epi32(odd[r][s], wv, _mm512_set1_epi32(a));
+            sum[r][s] = _mm512_dpbusd_epi32(sum[r][s], lo, _mm512_set1_epi32(a));
+            second(r, s) = _mm512_dpbusd_epi32(second(r, s), hi, _mm512_set1_epi32(b));
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int r = 0; r < NR; ++r) {
+            int32_t a;
+            std::memcpy(&a, qx + r * X.stride + GROUP * g + 4 * v, 4);
+            __m512i& chain = v % 2 == 0 ? sum[r][s] : second(r, s);
+            chain = _mm512_dpbusd_epi32(chain, wv, _mm512_set1_epi32(a));
           }
         }
       }
     }
+    if constexpr (kTwo)
+      for (int r = 0; r < NR; ++r)
+        for (int s = 0; s < kSubs; ++s) sum[r][s] = _mm512_add_epi32(sum[r][s], sum2[r][s]);
     for (int s = 0; s < kSubs; ++s) {
       const __m512 sc = load16_scales(ws + 16 * s);
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
-        const __m512i isum = _mm512_add_epi32(even[r][s], odd[r][s]);
-        acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, dx), acc[r][s]);
+        acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][s]), _mm512_mul_ps(sc, dx), acc[r][s]);
         if constexpr (!SYM) {
           const S* wmn = reinterpret_cast<const S*>(reinterpret_cast<const uint8_t*>(ws) + kScaleBytes);
           acc[r][s] = _mm512_fmadd_ps(load16_scales(wmn + 16 * s), _mm512_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r][s]);
@@ -731,11 +745,12 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
 }
 
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
-// multiplied by every block of up to kGemmBlock rows (from L1 / L2 after the first).
+// multiplied by every block of up to kGemvBlock (few rows) or kGemmBlock rows (from L1 / L2 after the first).
 template <int BITS, int GROUP, typename T, typename S>
 void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
                int64_t t0, int64_t t1) {
   const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn);
+  const int64_t block = R <= kGemvFewRows ? kGemvBlock : kGemmBlock;
   if (t0 < t1) prefetch_bytes(packed + t0 * bytes, std::min<int64_t>(bytes, kPrefetch));  // the stream's start
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = packed + t * bytes;
@@ -745,12 +760,14 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     auto blocks = [&](auto symmetric) {
       constexpr bool SYM = decltype(symmetric)::value;
-      for (int64_t r0 = 0; r0 < R; r0 += kGemmBlock) {
-        switch (std::min<int64_t>(kGemmBlock, R - r0)) {
+      for (int64_t r0 = 0; r0 < R; r0 += block) {
+        switch (std::min<int64_t>(block, R - r0)) {
           case 1: gemv_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
           case 2: gemv_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
           case 3: gemv_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          default: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          case 4: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          case 5: gemv_block<BITS, GROUP, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
+          default: gemv_block<BITS, GROUP, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
         }
       }
     };
