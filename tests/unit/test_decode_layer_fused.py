@@ -148,7 +148,20 @@ def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_fi
         op(hidden, weights, layout, *args, heads + 1, kv_heads)
     outside = torch.full((1,), pool.k_buffer[0].shape[0] + 5, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="kv_write: slot .* out of range"):
-        op(hidden, weights, layout, eps, cos_sin, pool.k_buffer[:n], pool.v_buffer[:n], outside, *tables[1:], scale, heads, kv_heads)
+        op(
+            hidden,
+            weights,
+            layout,
+            eps,
+            cos_sin,
+            pool.k_buffer[:n],
+            pool.v_buffer[:n],
+            outside,
+            *tables[1:],
+            scale,
+            heads,
+            kv_heads,
+        )
     out, residual = op(hidden, weights, layout, *args, heads, kv_heads)
     assert out.shape == residual.shape == hidden.shape and torch.isfinite(out).all()
 
