@@ -181,6 +181,15 @@ void check(const at::Tensor& x, const at::Tensor& other, const char* op) {
               ": expected a 2-D or 3-D tensor with a contiguous last axis");
 }
 
+// x [rows, 2 * d] and out [rows, d] of silu_and_mul.
+void check_silu(const at::Tensor& x, const at::Tensor& out) {
+  check(x, x, "silu_and_mul");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: expected [rows, 2 * d]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
+              "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
+}
+
 }  // namespace
 
 namespace tandem_cpu {
@@ -207,21 +216,17 @@ at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const a
   return out;
 }
 
+// silu_and_mul into out [rows, d] (x's dtype, contiguous).
+void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
+  check_silu(x, out);
+  dispatch(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+}
+
 // x [rows, 2 * d] (gate then up); returns silu(gate) * up, [rows, d], contiguous.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty({x.dim() == 2 ? x.size(0) : 0, x.dim() == 2 ? x.size(1) / 2 : 0}, x.options());
   silu_and_mul_into(x, out);
   return out;
-}
-
-// silu_and_mul into out [rows, d] (x's dtype, contiguous).
-void silu_and_mul_into(const at::Tensor& x, at::Tensor& out) {
-  check(x, x, "silu_and_mul");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: expected [rows, 2 * d]");
-  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
-              "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
-  dispatch(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
 }
 
 // Rows [begin, end) of rms_norm(x) (no residual) or of fused_add_rms_norm(x, residual) into out
@@ -239,10 +244,7 @@ void rms_norm_rows_into(at::Tensor& x, const at::Tensor* residual, const at::Ten
 
 // Rows [r0, r1) x columns [c0, c1) of silu_and_mul_into, on the calling thread.
 void silu_and_mul_part(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  check(x, x, "silu_and_mul");
-  TORCH_CHECK(x.dim() == 2 && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) * 2 == x.size(1) && out.scalar_type() == x.scalar_type(),
-              "silu_and_mul: out must be contiguous [rows, d] in x's dtype");
+  check_silu(x, out);
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= x.size(0) && 0 <= c0 && c0 <= c1 && c1 <= out.size(1),
               "silu_and_mul: part out of range");
   dispatch(x, "silu_and_mul", [&](auto t) { silu_part<decltype(t)>(Rows<decltype(t)>::of(x), out.data_ptr<decltype(t)>(), r0, r1, c0, c1); });

@@ -35,15 +35,11 @@ struct Share {
   }
 };
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor fused_add_rms_norm(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 // Rows [begin, end) of rms_norm (residual null) or fused_add_rms_norm into out, on this thread.
 void rms_norm_rows_into(at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                         at::Tensor& out, int64_t begin, int64_t end);
-at::Tensor silu_and_mul(const at::Tensor& x);
-// Rows [r0, r1) x columns [c0, c1) of silu_and_mul_into, on this thread.
+// Rows [r0, r1) x columns [c0, c1) of silu_and_mul, on this thread.
 void silu_and_mul_part(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
-void silu_and_mul_into(const at::Tensor& x, at::Tensor& out);
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,

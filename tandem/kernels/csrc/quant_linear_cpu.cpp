@@ -667,9 +667,10 @@ inline __m512 load16_scales(const c10::Half* p) {
 }
 
 // Rows [r0, r0 + NR) of x times one packed tile (weight rows [n, n + rows)): y[r * N + n + i].
-// Two integer sums per output and group (the low and the high nibbles, or the even and odd
-// dwords of 8-bit weights) keep two dependency chains; a symmetric tile (sym = its offset c)
-// starts them at -c * sum(qx) and adds no offset term, as gemm_block does.
+// Up to 4 rows, two integer sums per output and group (the low and the high nibbles, or the even
+// and odd dwords of 8-bit weights) keep two dependency chains, above one (the registers of 6
+// rows); a symmetric tile (sym = its offset c) starts them at -c * sum(qx) and adds no offset
+// term, as gemm_block does.
 template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
                 int64_t N, int64_t n, int rows) {
@@ -687,8 +688,7 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
     // the stream kPrefetch bytes ahead, a line for each line read
     prefetch_bytes(at + kPrefetch, group_bytes);
-    // Two integer sums per output (the low / high nibbles, the even / odd dwords) up to 4 rows,
-    // one above (registers: 4 rows with one chain took 1.05x the time, 6 with two spilled).
+    // (4 rows with one chain took 1.05x the time, 6 with two spilled)
     constexpr bool kTwo = NR <= 4;
     __m512i sum[NR][kSubs], sum2[kTwo ? NR : 1][kSubs];
     auto second = [&](int r, int s) -> __m512i& { return kTwo ? sum2[r][s] : sum[r][s]; };
