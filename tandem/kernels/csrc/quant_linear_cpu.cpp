@@ -673,7 +673,7 @@ inline __m512 load16_scales(const c10::Half* p) {
 // term, as gemm_block does.
 template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
-                int64_t N, int64_t n, int rows) {
+                int64_t N, int64_t n, int rows, bool stream) {
   constexpr int kV = packed_vectors(BITS, GROUP);
   constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
   const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
@@ -686,8 +686,8 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     const uint8_t* at = tile + 64 + g * group_bytes;
     const __m512i* w = reinterpret_cast<const __m512i*>(at);
     const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
-    // the stream kPrefetch bytes ahead, a line for each line read
-    prefetch_bytes(at + kPrefetch, group_bytes);
+    // the stream kPrefetch bytes ahead, a line for each line read (none in a widened copy)
+    if (stream) prefetch_bytes(at + kPrefetch, group_bytes);
     // (4 rows with one chain took 1.05x the time, 6 with two spilled)
     constexpr bool kTwo = NR <= 4;
     __m512i sum[NR][kSubs], sum2[kTwo ? NR : 1][kSubs];
@@ -744,6 +744,58 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
   store_tile_sums<NR, T>(acc, bias, y, N, n, rows, r0);
 }
 
+// A 4-bit packed tile (G groups) written out in the 8-bit layout: per group its vectors' low
+// nibbles as vectors 0-3 (x's columns 32g + 4v ..) and their high nibbles as vectors 4-7
+// (32g + 16 + 4v ..), the scales and offsets as they are, so that gemv_block<8> takes it.
+template <typename S>
+void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
+  constexpr int kV = packed_vectors(4, 32);
+  const int64_t from = packed_group_bytes(4, 32, sizeof(S), with_mn), to = packed_group_bytes(8, 32, sizeof(S), with_mn);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  std::memcpy(out, tile, 64);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* at = tile + 64 + g * from;
+    uint8_t* dst = out + 64 + g * to;
+    prefetch_bytes(at + kPrefetch, from);
+    for (int v = 0; v < kV * kSubs; ++v) {
+      const __m512i wv = _mm512_load_si512(at + 64 * v);
+      _mm512_store_si512(dst + 64 * v, _mm512_and_si512(wv, low4));
+      _mm512_store_si512(dst + 64 * (v + kV * kSubs), _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4));
+    }
+    std::memcpy(dst + 2 * kV * kSubs * 64, at + kV * kSubs * 64, from - kV * kSubs * 64);
+  }
+}
+
+// From kWidenRows rows of x a 4-bit tile is widened once (widen_tile, into the thread's buffer)
+// and its row blocks take the copy's bytes as they are, instead of each block unpacking every
+// byte again. The integer sums are the same, so are the results (bit for bit). One thread, Zen 4,
+// Q4_0 1536 x 576 and 576 x 1536: 512 rows 0.92-0.93 of the time, 64 rows 0.96-0.97, 32 0.97.
+constexpr int64_t kWidenRows = 32;
+
+// Rows of x in blocks of `block` times one packed tile (weight rows [n, n + rows)).
+template <int BITS, int GROUP, typename T, typename S>
+void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, bool with_mn, int32_t sym,
+                 const float* bias, T* y, int64_t N, int64_t n, int rows, bool stream) {
+  auto blocks = [&](auto symmetric) {
+    constexpr bool SYM = decltype(symmetric)::value;
+    for (int64_t r0 = 0; r0 < R; r0 += block) {
+      switch (std::min<int64_t>(block, R - r0)) {
+        case 1: gemv_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 2: gemv_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 3: gemv_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 4: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 5: gemv_block<BITS, GROUP, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        default: gemv_block<BITS, GROUP, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+      }
+    }
+  };
+  if (sym >= 0) {
+    blocks(std::true_type{});
+  } else {
+    blocks(std::false_type{});
+  }
+}
+
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
 // multiplied by every block of up to kGemvBlock (few rows) or kGemmBlock rows (from L1 / L2 after the first).
 template <int BITS, int GROUP, typename T, typename S>
@@ -751,6 +803,14 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
                int64_t t0, int64_t t1) {
   const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn);
   const int64_t block = R <= kGemvFewRows ? kGemvBlock : kGemmBlock;
+  const bool widen = BITS == 4 && R >= kWidenRows;
+  static thread_local std::vector<uint8_t> widened;
+  uint8_t* copy = nullptr;
+  if (widen) {
+    const int64_t room = packed_tile_bytes(X.G, 8, 32, sizeof(S), with_mn) + 64;
+    if (static_cast<int64_t>(widened.size()) < room) widened.resize(room);
+    copy = widened.data() + (64 - reinterpret_cast<uintptr_t>(widened.data()) % 64) % 64;
+  }
   if (t0 < t1) prefetch_bytes(packed + t0 * bytes, std::min<int64_t>(bytes, kPrefetch));  // the stream's start
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = packed + t * bytes;
@@ -758,24 +818,14 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     std::memcpy(&sym, tile, sizeof(sym));
     const int64_t n = kTileRows * t;
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
-    auto blocks = [&](auto symmetric) {
-      constexpr bool SYM = decltype(symmetric)::value;
-      for (int64_t r0 = 0; r0 < R; r0 += block) {
-        switch (std::min<int64_t>(block, R - r0)) {
-          case 1: gemv_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          case 2: gemv_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          case 3: gemv_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          case 4: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          case 5: gemv_block<BITS, GROUP, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-          default: gemv_block<BITS, GROUP, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows); break;
-        }
+    if constexpr (BITS == 4) {
+      if (widen) {
+        widen_tile<S>(tile, X.G, with_mn, copy);
+        tile_blocks<8, 32, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
+        continue;
       }
-    };
-    if (sym >= 0) {
-      blocks(std::true_type{});
-    } else {
-      blocks(std::false_type{});
     }
+    tile_blocks<BITS, GROUP, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
   }
 }
 
