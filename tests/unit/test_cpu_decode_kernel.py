@@ -1,25 +1,19 @@
 """Tandem's C++ CPU decode attention (tandem/kernels/csrc/decode_attention_cpu.cpp) against
 a float64 softmax attention: dtypes, head sizes (compile-time and run-time paths), grouped
 and plain heads, ragged lengths around its 16-key blocks, slots scattered in the pool, a
-query that is a view into a wider tensor; and the torch-native backend uses it on CPU."""
+query that is a view into a wider tensor (the checks: tests/decode_attention_checks.py), also
+on builds for CPUs without AVX-512 or without its bfloat16 dot products; and the torch-native
+backend uses it on CPU."""
 
 from __future__ import annotations
 
 import platform
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from tandem.forward_batch import ForwardBatch, ForwardMode
-from tandem.kernels import cpu as cpu_kernels
-from tandem.layers.attention.torch_native import TorchNativeAttnBackend
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from decode_attention_checks import (  # noqa: E402
+from decode_attention_checks import (
     DTYPES,
     LENGTHS,
     SHAPES,
@@ -27,6 +21,11 @@ from decode_attention_checks import (  # noqa: E402
     make_pool,
     reference,
 )
+from kernel_variants import run_variant
+
+from tandem.forward_batch import ForwardBatch, ForwardMode
+from tandem.kernels import cpu as cpu_kernels
+from tandem.layers.attention.torch_native import TorchNativeAttnBackend
 
 HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++"))
 ops = cpu_kernels.load()
@@ -77,14 +76,7 @@ def test_decode_attention_builds_for_other_cpus(march):
     same names) pass the same checks."""
     if march == "skylake-avx512" and "avx512bw" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU runs no AVX-512 code")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parents[1] / "decode_attention_checks.py"), march],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["ok"]
+    assert run_variant("decode_attention_checks.py", march) == ["ok"]
 
 
 def one_request_args() -> tuple:

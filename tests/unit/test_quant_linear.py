@@ -30,13 +30,13 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_variants import run_variant
 from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel, output_digests, with_tiles
 
 from tandem.kernels import cpu as cpu_kernels
@@ -138,14 +138,7 @@ def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel(kernel):
 def check_variant(march: str, isa: str) -> None:
     """The kernel built with `-march=MARCH`, loaded in a subprocess (its ops have the same
     names), has paths `isa` and passes the same checks on every type."""
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parents[1] / "quant_kernel_checks.py"), march],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == [isa, "ok"]
+    assert run_variant("quant_kernel_checks.py", march) == [isa, "ok"]
 
 
 x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
