@@ -139,8 +139,9 @@ struct DecodeTask {
     vec16* qv = work;                  // [queries][nc] the queries, scaled
     vec16* acc = qv + queries * nc;    // [queries][nc] the weighted values
     vec16* part = acc + queries * nc;  // [queries][16] partial dot products of 16 keys
-    for (int64_t i = 0; i < queries; ++i)
-      for (int64_t c = 0; c < nc; ++c) qv[i * nc + c] = load16(q + i * q_stride_h + c * 16) * scale;
+    if constexpr (!kDotPairs)
+      for (int64_t i = 0; i < queries; ++i)
+        for (int64_t c = 0; c < nc; ++c) qv[i * nc + c] = load16(q + i * q_stride_h + c * 16) * scale;
 #if defined(__AVX512BF16__)
     // The bfloat16 queries as they are, in pairs, over qv's room (the scale goes on the sums).
     __m512bh* qb = reinterpret_cast<__m512bh*>(qv);
