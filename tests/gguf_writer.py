@@ -37,7 +37,7 @@ holds the last blocks and the head.
 
 :func:`quantize` packs a 2-D float array into ggml blocks of any supported type: gguf-py's
 quantizers for F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the simple ones below for the
-K-quants (Q2_K..Q6_K; gguf-py has none) and IQ4_NL. These are round-to-nearest with
+K-quants (Q2_K..Q6_K; gguf-py has none), IQ4_NL, IQ4_XS and Q8_K. These are round-to-nearest with
 min/max scales, not llama.cpp's error-minimising search, but every block is in ggml's exact
 byte layout (the inverse of ``gguf.quants.dequantize``), every scale finite.
 """
@@ -56,7 +56,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType as FT
 from safetensors.numpy import load_file
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"),
+)
 
 # general.file_type llama.cpp records for a file whose 2-D weights are all of one type
 # (llama-quantize's "_S" mixes are the ones closest to uniform).
@@ -74,6 +77,8 @@ FILE_TYPES = {
     "Q4_K": FT.MOSTLY_Q4_K_S,
     "Q5_K": FT.MOSTLY_Q5_K_S,
     "Q6_K": FT.MOSTLY_Q6_K,
+    "IQ4_NL": FT.MOSTLY_IQ4_NL,
+    "IQ4_XS": FT.MOSTLY_IQ4_XS,
 }
 
 MODEL_ARCHS = {
@@ -405,6 +410,38 @@ def _quantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8).reshape(n, 2), qs], axis=1)
 
 
+def _quantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS (IQ4_NL's grid, a 6-bit signed scale per 32 under an f16 scale per 256): each
+    sub-block's scale as IQ4_NL's, rounded to a multiple of d = largest / 31; then the
+    nearest grid value."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 8, 32)
+    want = _signed_absmax(sub) / -127  # [n, 8]
+    d = _f16(np.abs(want).max(axis=1) / 31)
+    ls = np.clip(np.round(_safe_div(want, d.astype(np.float32)[:, None])), -32, 31).astype(np.int16) + 32
+    dl = d.astype(np.float32)[:, None] * (ls - 32).astype(np.float32)
+    y = _safe_div(sub, dl[..., None])
+    idx = np.abs(y[..., None] - IQ4_NL_VALUES).argmin(axis=-1).astype(np.uint8)  # [n, 8, 32]
+    qs = (idx[..., :16] | (idx[..., 16:] << 4)).reshape(n, 128)
+    ls = ls.astype(np.uint8)
+    scales_l = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)  # [n, 4]
+    high = (ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
+    scales_h = high.sum(axis=1, dtype=np.uint16).astype("<u2")
+    return np.concatenate(
+        [d.view(np.uint8).reshape(n, 2), scales_h.view(np.uint8).reshape(n, 2), scales_l, qs], axis=1
+    )
+
+
+def _quantize_q8_k(blocks: np.ndarray) -> np.ndarray:
+    """Q8_K (llama.cpp's activation type, which gguf-py does not dequantize): a float32 scale,
+    256 int8 values, 16 int16 sums of 16; for files of a type no loader takes as a weight."""
+    n = blocks.shape[0]
+    d = (np.abs(blocks).max(axis=1) / 127).astype(np.float32)
+    q = np.clip(np.round(_safe_div(blocks, d[:, None])), -127, 127).astype(np.int8)
+    sums = q.reshape(n, 16, 16).sum(axis=2, dtype=np.int16).astype("<i2")
+    return np.concatenate([d.view(np.uint8).reshape(n, 4), q.view(np.uint8), sums.view(np.uint8).reshape(n, 32)], axis=1)
+
+
 _OWN_QUANTIZERS = {
     QT.Q2_K: _quantize_q2_k,
     QT.Q3_K: _quantize_q3_k,
@@ -412,6 +449,8 @@ _OWN_QUANTIZERS = {
     QT.Q5_K: _quantize_q5_k,
     QT.Q6_K: _quantize_q6_k,
     QT.IQ4_NL: _quantize_iq4_nl,
+    QT.IQ4_XS: _quantize_iq4_xs,
+    QT.Q8_K: _quantize_q8_k,
 }
 
 
@@ -557,7 +596,8 @@ def write_gguf(
     ``split.tensors.count`` in every file; all other metadata in the first), tensors in file
     order spread evenly, and returns the first file's path. ``unsupported`` maps GGUF tensor
     names (2-D weights) to another ggml type name to write them in (e.g.
-    ``{"blk.0.ffn_up.weight": "IQ4_NL"}``): any type gguf-py can quantize, or IQ4_NL.
+    ``{"blk.0.ffn_up.weight": "IQ4_NL"}``): any type gguf-py can quantize, or IQ4_NL,
+    IQ4_XS, or Q8_K (a type no loader takes as a weight).
     ``alignment``: a ``general.alignment`` other than the default 32 (tensor data aligned to it).
     ``split_experts``: each expert's matrices as tensors of their own, ``blk.N.ffn_gate.E``,
     as llama.cpp wrote Mixtral before its stacked ``ffn_gate_exps`` (and still reads).

@@ -29,7 +29,12 @@ from gguf_writer import quantize as quantize_k  # noqa: E402
 from tandem.layers.quantization.gguf_repack import repack  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
-TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
+
+
+def super_blocks(name: str) -> bool:
+    """Whether the type's blocks are 256 columns wide (the K-quants, IQ4_XS)."""
+    return gguf.GGML_QUANT_SIZES[QT[name]][0] == 256
 
 
 def blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -61,8 +66,8 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
     with `int8_x` against x rounded as half rows are (the float32 sums of the bfloat16 rows'
     path: rounded to bfloat16, bit-identical to that path's outputs)."""
     # Odd output counts; column counts that leave a partial 64-byte chunk at a row's end
-    # (17 groups of 32) where the type allows (K-quants hold 256 columns a block).
-    k_quant = name.endswith("_K")
+    # (17 groups of 32) where the type allows (K-quants and IQ4_XS hold 256 columns a block).
+    k_quant = super_blocks(name)
     out_features, in_features = (7, 256 if k_quant else 96) if rows > 17 else (300, 768 if k_quant else 544)
     packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
     weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name])).double()
@@ -141,7 +146,7 @@ def output_digests(kernel) -> dict[str, str]:
     Equal digests: bit-identical outputs."""
     hashes = {(name, str(dt)): hashlib.sha256() for name in TYPES for dt in DIGEST_DTYPES}
     for name, out_features, in_cols in itertools.product(TYPES, (576, 1536, 4096), (576, 1536)):
-        k = 768 if name.endswith("_K") and in_cols == 576 else in_cols
+        k = 768 if super_blocks(name) and in_cols == 576 else in_cols
         packed = repack(blocks(name, out_features, k), QT[name], (out_features, k))
         arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]
         for rows in (1, 2, 4, 8, 16, 33):

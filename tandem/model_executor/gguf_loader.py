@@ -30,6 +30,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -44,14 +45,35 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tandem.layers.quantization.gguf_repack import SUPPORTED_QTYPES
 from tandem.layers.weight_shard import CheckpointTensor
+
+logger = logging.getLogger(__name__)
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# Types dequantized at load (to the serving dtype); any other stops the start.
-SUPPORTED_TYPES = frozenset(
-    gguf.GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether gguf's numpy code dequantizes `qtype` (one block of zeros tried)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros(type_size, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# Weight types a file may hold: floats, and every quantized type gguf's numpy code
+# dequantizes (the integer tensor types are not weights). Those with a layout of Tandem's
+# kernels stay quantized (`gguf_repack`); the others (the IQ and ternary types, MXFP4, ...)
+# are dequantized at load to the serving dtype, said in one log line. Any other type stops
+# the start in one line.
+FLOAT_TYPES = frozenset(gguf.GGMLQuantizationType[n] for n in ("F32", "F16", "BF16"))
+SUPPORTED_TYPES = FLOAT_TYPES | frozenset(
+    t
+    for t in gguf.GGMLQuantizationType
+    if t not in FLOAT_TYPES and not t.name.startswith(("I8", "I16", "I32", "I64", "F64")) and _dequantizable(t)
 )
 
 
@@ -213,7 +235,7 @@ class GGUFMetadata:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ValueError(
                     f"--model-path: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
-                    "which Tandem cannot load (supported: "
+                    "which gguf cannot dequantize and Tandem cannot load (supported: "
                     f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
             # Here, not at load: a file that cannot load stops the start in one line.
@@ -541,6 +563,13 @@ def iterate_gguf_weights(path: str, show_progress: bool = True) -> Iterator[tupl
     """(Hugging Face name, GGUFWeight) for every weight tensor, with a progress bar
     (`GGUFMetadata` refused the files with a tensor that has no Hugging Face counterpart)."""
     meta = GGUFMetadata(path)
+    slow = sorted(set(meta.tensor_types()) - {t.name for t in FLOAT_TYPES | SUPPORTED_QTYPES})
+    if slow:
+        logger.info(
+            "GGUF tensors of type %s have no Tandem kernel yet: dequantized at load to the serving dtype "
+            "(their layers multiply dense weights)",
+            ", ".join(slow),
+        )
     heads = int(meta.arch_value("attention.head_count"))
     kv_heads = int(meta.arch_value("attention.head_count_kv", heads))
     for t in tqdm(meta.tensors, desc="Loading GGUF tensors", disable=not show_progress, unit="tensor"):

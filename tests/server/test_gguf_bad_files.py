@@ -82,8 +82,9 @@ def test_unknown_architecture(tiny_llama_gguf_dir, tmp_path):
 
 
 def test_unsupported_tensor_type(tiny_llama_gguf_dir, tmp_path):
-    bad = write_gguf(tiny_llama_gguf_dir, tmp_path / "iq.gguf", "Q8_0", unsupported={"blk.0.ffn_up.weight": "IQ4_NL"})
-    assert_one_line_error(bad, "'blk.0.ffn_up.weight'", "IQ4_NL")
+    """Q8_K (llama.cpp's activation type) as a weight: gguf cannot dequantize it."""
+    bad = write_gguf(tiny_llama_gguf_dir, tmp_path / "q8k.gguf", "Q8_0", unsupported={"blk.0.ffn_up.weight": "Q8_K"})
+    assert_one_line_error(bad, "'blk.0.ffn_up.weight'", "Q8_K")
 
 
 def test_no_tokenizer_metadata_and_no_tokenizer_path(tiny_llama_gguf_dir, tmp_path):

@@ -1,12 +1,12 @@
 """tandem/layers/quantization/gguf_repack.py: GGUF blocks in the CPU kernels' own layouts.
 
-- Every type with a layout (Q4_0, Q4_1, Q4_K as bits=4; Q8_0, Q5_0, Q5_1, Q5_K as bits=8
-  group 32; Q6_K, Q3_K, Q2_K as bits=8 group 16) repacks to weights equal to
+- Every type with a layout (Q4_0, Q4_1, Q4_K as bits=4; Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL,
+  IQ4_XS as bits=8 group 32; Q6_K, Q3_K, Q2_K as bits=8 group 16) repacks to weights equal to
   ``gguf.quants.dequantize``'s, value for value (max abs difference 0; bit for bit but for
   the sign of zero weights), on blocks quantized from data and on random bytes (every bit
   pattern of the quants and the packed scales, finite f16 scales).
 - widen / concat_rows / slice_cols keep the weights; they refuse what they cannot do.
-- F32 / F16 / BF16 (and types without a layout) repack to None.
+- F32 / F16 / BF16 and the types without a layout (the other IQ types, TQ, MXFP4) repack to None.
 - The layout the C++ kernels read is asserted on its own terms: dtypes, C-contiguity,
   shapes, the nibble order of bits=4 and the offsets of the 8-bit codes.
 """
@@ -34,6 +34,8 @@ FORMAT = {
     "Q6_K": (8, 16),
     "Q3_K": (8, 16),
     "Q2_K": (8, 16),
+    "IQ4_NL": (8, 32),
+    "IQ4_XS": (8, 32),
 }
 TYPES = list(FORMAT)
 GGUF_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}  # gguf.quants.quantize has these
@@ -49,6 +51,8 @@ F16_FIELDS = {
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
 }
 SHAPES = [(r, c) for r in (1, 3, 64) for c in (256, 512, 768)]
 
@@ -114,10 +118,16 @@ def test_repack_random_blocks(name):
     _assert_same_weights(p.dequantize(), ref)
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "IQ2_XXS", "IQ3_S", "TQ2_0", "MXFP4"])
 def test_types_without_a_layout_repack_to_none(name):
     x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
-    blocks = quantize_k(x, name) if name != "BF16" else gguf.quants.quantize(x, QT.BF16)
+    if name in ("F32", "F16"):
+        blocks = quantize_k(x, name)
+    elif name == "BF16":
+        blocks = gguf.quants.quantize(x, QT.BF16)
+    else:  # no quantizer here: any bytes of the right size (repack looks only at the type)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[QT[name]]
+        blocks = np.zeros((4, 256 // block_size * type_size), dtype=np.uint8)
     assert repack(blocks, QT[name], (4, 256)) is None
 
 

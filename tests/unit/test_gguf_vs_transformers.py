@@ -21,7 +21,10 @@ from tandem.utils.tokenizer import load_tokenizer
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70))]
 STEPS = 6
-ALL_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = [
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"),
+]
 # Every type on llama (whose Q/K rows llama.cpp permutes); a few on qwen2 (q/k/v biases)
 # and qwen3 (q/k norms, tied head).
 CASES = (
@@ -51,6 +54,21 @@ def assert_matches_transformers(gguf_path, reference_path=None):
 @pytest.mark.parametrize("arch,qtype", CASES)
 def test_greedy_and_logits_equal_transformers_gguf_loader(model_dirs, tmp_path, arch, qtype):
     assert_matches_transformers(write_gguf(model_dirs[arch], tmp_path / f"{arch}-{qtype}.gguf", qtype))
+
+
+def test_types_without_a_kernel_load_dequantized(model_dirs, tmp_path, caplog):
+    """Types Tandem has no kernel for (gguf dequantizes them: here MXFP4 and the ternary
+    TQ2_0) load dequantized, with one log line naming them, and equal transformers."""
+    path = write_gguf(
+        model_dirs["llama"],
+        tmp_path / "mixed.gguf",
+        "Q8_0",
+        unsupported={"blk.0.ffn_up.weight": "MXFP4", "blk.1.attn_q.weight": "TQ2_0"},
+    )
+    with caplog.at_level("INFO", logger="tandem.model_executor.gguf_loader"):
+        assert_matches_transformers(path)
+    lines = [r.getMessage() for r in caplog.records if "no Tandem kernel" in r.getMessage()]
+    assert lines and all("MXFP4, TQ2_0" in line for line in lines), lines
 
 
 def scaled_model(tmp_path, scaling: dict):

@@ -42,6 +42,8 @@ MAX_REL_RMS = {
     "Q4_0": 0.17,
     "Q4_1": 0.16,
     "Q4_K": 0.16,
+    "IQ4_NL": 0.16,
+    "IQ4_XS": 0.16,
     "Q3_K": 0.3,
     "Q2_K": 0.45,
 }
@@ -56,6 +58,8 @@ MIN_REL_RMS = {
     "Q4_0": 0.03,
     "Q4_1": 0.03,
     "Q4_K": 0.03,
+    "IQ4_NL": 0.03,
+    "IQ4_XS": 0.03,
     "Q3_K": 0.06,
     "Q2_K": 0.12,
 }
@@ -320,7 +324,7 @@ def test_quantized_file_loads_in_transformers(model_dirs, tmp_path):
     assert 1e-3 < err < 0.25, err
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_own_quantizers_on_edge_blocks(type_name):
     """Zero, constant, one-sign and single-spike blocks: finite scales, zeros stay zero."""
     rng = np.random.default_rng(0)

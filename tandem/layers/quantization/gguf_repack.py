@@ -24,6 +24,8 @@ Q5_K      bits 8, group 32                q, d*sc, -(dmin*m)
 Q6_K      bits 8, group 16                q, d*sc, -32*(d*sc)     (int8 sc)
 Q3_K      bits 8, group 16                q + 4, d*(sc-32), -4*(d*(sc-32))
 Q2_K      bits 8, group 16                q, d*(sc&15), -(dmin*(sc>>4))
+IQ4_NL    bits 8, group 32                grid[q] + 128, d, -128d
+IQ4_XS    bits 8, group 32                grid[q] + 128, d*(ls-32), -128*(d*(ls-32))
 ========  ==============================  =========================================
 
 Scales are computed in float32 exactly as ``gguf.quants`` computes them (the f16 ``d`` widened,
@@ -231,6 +233,34 @@ def _q2_k(b):
     return 8, 16, _flat(q), _flat(scale), _flat(mn)
 
 
+# IQ4_NL / IQ4_XS values: a 4-bit index into ggml's non-linear grid of int8 values,
+# stored plus 128 (1..241) as the 8-bit layout's unsigned q.
+_IQ4_GRID = (np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int16) + 128).astype(np.uint8)
+
+
+def _iq4_values(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of grid indices [..., 16] (value j the low nibble of byte j, 16 + j its high
+    nibble) -> the grid values + 128, uint8 [..., 32]."""
+    return _IQ4_GRID[_bits(qs, [0, 4], 0x0F).reshape(*qs.shape[:-1], 32)]
+
+
+def _iq4_nl(b):
+    d = _f16(b[..., 0:2])
+    return 8, 32, _flat(_iq4_values(b[..., 2:18])), d, d * np.float32(-128)
+
+
+def _iq4_xs(b):
+    # Eight 6-bit scales: sub-block s's low four bits in byte 4 + s // 2 (nibble s % 2), its
+    # top two at bits 2s of the little-endian uint16 in bytes 2..3; scale d * (ls - 32).
+    lead = b.shape[:-1]
+    low = _bits(b[..., 4:8], [0, 4], 0x0F).swapaxes(-1, -2).reshape(*lead, 8)
+    high = _bits(b[..., 2:4], [0, 2, 4, 6], 0x03).swapaxes(-1, -2).reshape(*lead, 8)
+    ls = (low | (high << np.uint8(4))).astype(np.float32) - np.float32(32)
+    scale = _f16(b[..., 0:2])[..., None] * ls
+    q = _iq4_values(b[..., 8:136].reshape(*lead, 8, 16))
+    return 8, 32, _flat(q), _flat(scale), _flat(scale * np.float32(-128))
+
+
 _REPACKERS = {
     QT.Q4_0: _q4_0,
     QT.Q4_1: _q4_1,
@@ -242,6 +272,8 @@ _REPACKERS = {
     QT.Q6_K: _q6_k,
     QT.Q3_K: _q3_k,
     QT.Q2_K: _q2_k,
+    QT.IQ4_NL: _iq4_nl,
+    QT.IQ4_XS: _iq4_xs,
 }
 
 SUPPORTED_QTYPES = frozenset(_REPACKERS)
