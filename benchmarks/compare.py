@@ -1120,6 +1120,8 @@ GGUF_FORMATS = {
     "q5_k_m": "Q5_K_M",
     "q6_k": "Q6_K",
     "f16": "F16",
+    "iq4_nl": "IQ4_NL",
+    "iq4_xs": "IQ4_XS",
 }
 DEFAULT_GGUF_FORMATS = ["q4_1", "q4_0", "q8_0", "q4_k_m", "bf16"]
 DEFAULT_GGUF_WORKLOADS = ["a", "b", "e"]

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_writer import quantize as quantize_k  # noqa: E402
 
-from tandem.layers.quantization.gguf_repack import repack  # noqa: E402
+from tandem.layers.quantization.gguf_linear import takes_grid  # noqa: E402
+from tandem.layers.quantization.gguf_repack import repack, widen  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
@@ -70,23 +72,28 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
     k_quant = super_blocks(name)
     out_features, in_features = (7, 256 if k_quant else 96) if rows > 17 else (300, 768 if k_quant else 544)
     packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
+    if packed.grid and not takes_grid(isa):  # the AVX2 path refuses the grid layout: widened as the layer does
+        with pytest.raises(RuntimeError, match="grid"):
+            kernel(torch.ones(rows, in_features).bfloat16(), *map(torch.from_numpy, (packed.q, packed.scale, packed.mn)),
+                   packed.code, packed.group)
+        packed = widen(packed, 32)
     weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name])).double()
     arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ weight.T
-    got = kernel(x, *arrays, packed.bits, packed.group)
+    got = kernel(x, *arrays, packed.code, packed.group)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
-    got_int8 = kernel(x, *arrays, packed.bits, packed.group, None, True)
+    got_int8 = kernel(x, *arrays, packed.code, packed.group, None, True)
     assert got_int8.dtype == torch.float32
     ref_int8 = half_rows_reference(x, isa) @ weight.T
     torch.testing.assert_close(got_int8.double(), ref_int8, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
     xb = x.to(torch.bfloat16)
-    got_bf16 = kernel(xb, *arrays, packed.bits, packed.group)
-    assert torch.equal(kernel(xb.float(), *arrays, packed.bits, packed.group, None, True).to(torch.bfloat16), got_bf16)
+    got_bf16 = kernel(xb, *arrays, packed.code, packed.group)
+    assert torch.equal(kernel(xb.float(), *arrays, packed.code, packed.group, None, True).to(torch.bfloat16), got_bf16)
     for dtype in (torch.bfloat16, torch.float16):
         xh = x.to(dtype)
-        got_half = kernel(xh, *arrays, packed.bits, packed.group)
+        got_half = kernel(xh, *arrays, packed.code, packed.group)
         assert got_half.dtype == dtype
         ref_half = (half_rows_reference(xh, isa) @ weight.T).float().to(dtype)
         torch.testing.assert_close(
@@ -152,7 +159,7 @@ def output_digests(kernel) -> dict[str, str]:
         for rows in (1, 2, 4, 8, 16, 33):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * 7919 + k))
             for dt in DIGEST_DTYPES:
-                y = kernel(x.to(dt), *arrays, packed.bits, packed.group)
+                y = kernel(x.to(dt), *arrays, packed.code, packed.group)
                 hashes[(name, str(dt))].update(y.contiguous().view(torch.uint8).numpy().tobytes())
     return {f"{name} {dt}": h.hexdigest()[:16] for (name, dt), h in hashes.items()}
 

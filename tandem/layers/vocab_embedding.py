@@ -93,7 +93,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.packed is None:
             return F.embedding(ids, self.weight)
         p, rows = self.packed, ids.reshape(-1).numpy()
-        values = Packed(p.bits, p.group, p.q[rows], p.scale[rows], p.mn[rows]).dequantize()
+        values = p.take_rows(rows).dequantize()
         return torch.from_numpy(values).view(*ids.shape, -1).to(self.weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

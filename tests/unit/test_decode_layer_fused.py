@@ -32,9 +32,11 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
+    dirs = {arch: make_tiny_model(root / arch, arch=arch, preset="gguf") for arch in ("llama", "qwen2")}
+    # llama-iq4: IQ4_XS, the grid layout (4-bit codes into IQ4_NL's values)
     return {
-        arch: write_gguf(make_tiny_model(root / arch, arch=arch, preset="gguf"), root / f"{arch}.gguf", qtype)
-        for arch, qtype in (("llama", "Q4_0"), ("qwen2", "Q8_0"))
+        name: write_gguf(dirs[arch], root / f"{name}.gguf", qtype)
+        for name, arch, qtype in (("llama", "llama", "Q4_0"), ("qwen2", "qwen2", "Q8_0"), ("llama-iq4", "llama", "IQ4_XS"))
     }
 
 
@@ -90,7 +92,7 @@ def threads(request):
 
 # auto: bfloat16 where the CPU has it natively, else float32 rows rounded to int8 (int8_x)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-iq4"])
 def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, threads):
     runner = make_runner(gguf_files[arch], dtype=dtype)
     layers = runner.model.model.layers

@@ -1,7 +1,7 @@
 """tandem/layers/quantization/gguf_repack.py: GGUF blocks in the CPU kernels' own layouts.
 
-- Every type with a layout (Q4_0, Q4_1, Q4_K as bits=4; Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL,
-  IQ4_XS as bits=8 group 32; Q6_K, Q3_K, Q2_K as bits=8 group 16) repacks to weights equal to
+- Every type with a layout (Q4_0, Q4_1, Q4_K as bits=4; IQ4_NL, IQ4_XS as bits=4 with the
+  grid; Q8_0, Q5_0, Q5_1, Q5_K as bits=8 group 32; Q6_K, Q3_K, Q2_K as bits=8 group 16) repacks to weights equal to
   ``gguf.quants.dequantize``'s, value for value (max abs difference 0; bit for bit but for
   the sign of zero weights), on blocks quantized from data and on random bytes (every bit
   pattern of the quants and the packed scales, finite f16 scales).
@@ -34,8 +34,8 @@ FORMAT = {
     "Q6_K": (8, 16),
     "Q3_K": (8, 16),
     "Q2_K": (8, 16),
-    "IQ4_NL": (8, 32),
-    "IQ4_XS": (8, 32),
+    "IQ4_NL": (4, 32),  # the grid layout
+    "IQ4_XS": (4, 32),
 }
 TYPES = list(FORMAT)
 GGUF_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}  # gguf.quants.quantize has these
@@ -108,6 +108,7 @@ def _assert_layout(p: Packed, bits: int, group: int, rows: int, cols: int) -> No
 def test_repack_dequantizes_as_gguf(name, shape):
     p, ref = _packed(name, *shape)
     _assert_layout(p, *FORMAT[name], *shape)
+    assert p.grid == name.startswith("IQ4") and p.code == (20 if p.grid else p.bits)
     _assert_same_weights(p.dequantize(), ref)
 
 
@@ -274,6 +275,12 @@ def test_concat_rows_stacks_parts_of_one_format():
     _assert_layout(mixed, 8, 16, 68, 512)
     _assert_same_weights(mixed.dequantize(), np.concatenate([r2, r3, r4]))
 
+    iq4, r5 = _packed("IQ4_NL", 2, 512, random=True)
+    with pytest.raises(ValueError):
+        concat_rows([q4_0, iq4])  # codes and grid codes: widen first
+    _assert_same_weights(concat_rows([iq4, iq4]).dequantize(), np.concatenate([r5, r5]))
+    _assert_same_weights(concat_rows([widen(q4_0, 32), widen(iq4, 32)]).dequantize(), np.concatenate([r1, r5]))
+
     with pytest.raises(ValueError):
         concat_rows([q4_k, _packed("Q4_K", 3, 256)[0]])  # widths differ
     with pytest.raises(ValueError):
@@ -281,7 +288,7 @@ def test_concat_rows_stacks_parts_of_one_format():
     assert concat_rows([q6_k]).q.shape == q6_k.q.shape
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K", "IQ4_XS"])
 def test_slice_cols_takes_a_shard(name):
     p, ref = _packed(name, 3, 768, random=True)
     for start, length in ((0, 384), (384, 384), (p.group, 2 * p.group), (0, 768), (768 - p.group, p.group)):

@@ -58,7 +58,7 @@ def gguf_weight(name: str, rows: int, cols: int, seed: int = 0) -> GGUFWeight:
 
 def run(packed, x: torch.Tensor) -> torch.Tensor:
     return ops.quant_linear(
-        x, *(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)), packed.bits, packed.group
+        x, *(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)), packed.code, packed.group
     )
 
 
@@ -91,20 +91,20 @@ def test_stored_tiles_give_the_same_outputs(name):
     vnni = ops.quant_linear_isa().startswith("avx512_vnni")
     for scales in (torch.float32, torch.float16):
         q, scale, mn = torch.from_numpy(packed.q), *(torch.from_numpy(a).to(scales) for a in (packed.scale, packed.mn))
-        tiles = ops.quant_tiles(q, scale, mn, packed.bits, packed.group)
+        tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
         if not vnni:
             assert tiles.numel() == 0
         else:
             assert tiles.dim() == 1 and tiles.numel() > 0 and tiles.dtype == torch.uint8
         for n in (1, 3, 7, 8, 9, 33, 64, 130):
             x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
-            plain = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False)
-            tiled = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.bits, packed.group, None, False, tiles)
+            plain = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.code, packed.group, None, False)
+            tiled = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.code, packed.group, None, False, tiles)
             if not vnni or n >= 8:
                 assert torch.equal(tiled, plain)
             else:  # float32 sums compared: the bfloat16 outputs are these rounded once
-                plain32 = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, True)
-                tiled32 = ops.quant_linear(x, q, scale, mn, packed.bits, packed.group, None, True, tiles)
+                plain32 = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, True)
+                tiled32 = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, True, tiles)
                 assert not torch.equal(tiled32, plain32)  # summed in another order: the packed tiles ran
                 torch.testing.assert_close(tiled32, plain32, rtol=1e-5, atol=1e-5 * plain32.abs().max().item())
     if tiles.numel():

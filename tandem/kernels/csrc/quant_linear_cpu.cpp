@@ -6,7 +6,12 @@
 // group, for the types whose scales are float16 in the file), W[n, k] = scale[n, k / group] * q[n, k] + mn[n, k / group], with
 //   bits 4 (group 32): q packed two to a byte, ggml's Q4 order: byte 16g + j of a row holds
 //                      column 32g + j in its low nibble and column 32g + 16 + j in its high;
-//   bits 8 (group 16 or 32): one uint8 q per column.
+//   bits 8 (group 16 or 32): one uint8 q per column;
+//   bits 4 | kGrid (group 32): the 4-bit layout whose codes index IQ4_NL's grid of values
+//                      (kGridValues: ggml's int8 grid plus 128), q[n, k] the grid value of the
+//                      code: IQ4_NL / IQ4_XS at the 4-bit layout's bytes. The AVX-512 VNNI and
+//                      float paths take it; the AVX2 path refuses it (the caller widens it to
+//                      bits 8: gguf_repack.widen).
 // The paths, chosen when the library is built for the machine it runs on (-march=native; the
 // cached build's name hashes the CPU's flags, so another CPU gets its own build):
 // - float32 rows (unless the caller asks for int8 activations: `int8_x`) and every row where the
@@ -46,6 +51,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -55,6 +61,9 @@ using namespace tandem_cpu;
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 constexpr int kRowBlock = 4;  // rows of x sharing one read of a weight row
+// `bits | kGrid`: the grid layout (above); kGridValues[code] = ggml's kvalues_iq4nl[code] + 128.
+constexpr int64_t kGrid = 16;
+alignas(16) constexpr uint8_t kGridValues[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 // Weight rows whose blocks the int8 paths multiply by every row block of x before the next ones
 // (<= 32 x 1.5 KB: from L1/L2 after the first row block, instead of one stream from memory for
 // each); a multiple of the 16 (8) outputs whose lanes are summed together.
@@ -97,13 +106,21 @@ inline u8x16 load_bytes(const uint8_t* p) {
   return b;
 }
 
+// 16 4-bit codes (one per byte) as their grid values.
+inline u8x16 grid_bytes(u8x16 codes) {
+  u8x16 out;
+  for (int i = 0; i < 16; ++i) out[i] = kGridValues[codes[i]];
+  return out;
+}
+
 // The 16-column slices of one weight group, scaled: `parts` vectors (2 for 32 columns, 1 for 16).
-template <int BITS, int GROUP>
+template <int BITS, int GROUP, bool GRID>
 inline void group_weights(const uint8_t* q, float scale, vec16* w) {
   if constexpr (BITS == 4) {
     const u8x16 b = load_bytes(q);
-    w[0] = bytes_to_floats(b & 15) * scale;
-    w[1] = bytes_to_floats(b >> 4) * scale;
+    const u8x16 lo = b & 15, hi = b >> 4;
+    w[0] = bytes_to_floats(GRID ? grid_bytes(lo) : lo) * scale;
+    w[1] = bytes_to_floats(GRID ? grid_bytes(hi) : hi) * scale;
   } else {
     w[0] = bytes_to_floats(load_bytes(q)) * scale;
     if constexpr (GROUP == 32) w[1] = bytes_to_floats(load_bytes(q + 16)) * scale;
@@ -122,7 +139,7 @@ inline float to_float(c10::Half v) {
 
 // NR rows of x (float32 [.., K], from `x`) times output rows [n0, n1) (+ bias[n]): y[r * N + n],
 // rounded to T. S: the dtype of the scales and offsets.
-template <int BITS, int GROUP, int NR, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int NR, typename T, typename S>
 void quant_block(const float* x, const float* xsum, const uint8_t* q, const S* scale, const S* mn,
                  const float* bias, T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int kParts = GROUP / 16;
@@ -135,7 +152,7 @@ void quant_block(const float* x, const float* xsum, const uint8_t* q, const S* s
     vec16 acc[NR] = {};
     for (int64_t g = 0; g < G; ++g) {
       vec16 w[kParts];
-      group_weights<BITS, GROUP>(qn + g * group_bytes, to_float(sn[g]), w);
+      group_weights<BITS, GROUP, GRID>(qn + g * group_bytes, to_float(sn[g]), w);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const float* xg = x + r * K + g * GROUP;
@@ -155,7 +172,7 @@ void quant_block(const float* x, const float* xsum, const uint8_t* q, const S* s
 
 // Every row of x (float32 [R, K]) times output rows [n0, n1), up to kRowBlock rows of x per
 // read of the weights.
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, typename T, typename S>
 void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* scale, const S* mn,
                 const float* bias, T* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / GROUP;
@@ -164,10 +181,10 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
     const float* xs = xsum + r0 * G;
     T* yr = y + r0 * N;
     switch (std::min<int64_t>(kRowBlock, R - r0)) {
-      case 1: quant_block<BITS, GROUP, 1, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
-      case 2: quant_block<BITS, GROUP, 2, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
-      case 3: quant_block<BITS, GROUP, 3, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
-      default: quant_block<BITS, GROUP, 4, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      case 1: quant_block<BITS, GROUP, GRID, 1, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      case 2: quant_block<BITS, GROUP, GRID, 2, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      case 3: quant_block<BITS, GROUP, GRID, 3, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
+      default: quant_block<BITS, GROUP, GRID, 4, T, S>(xr, xs, q, scale, mn, bias, yr, K, N, n0, n1); break;
     }
   }
 }
@@ -263,6 +280,18 @@ QuantizedX quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t 
   return X;
 }
 
+// 64 bytes of 4-bit codes (one per byte) as their grid values where GRID (VPSHUFB: the grid in
+// every 128-bit lane of `grid`), as they are otherwise.
+template <bool GRID>
+inline __m512i code_bytes(__m512i codes, __m512i grid) {
+  if constexpr (GRID) return _mm512_shuffle_epi8(grid, codes);
+  return codes;
+}
+
+inline __m512i grid_vector() {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kGridValues)));
+}
+
 // The 4 floats of f spread over 16 lanes: lane l gets f[l / LANES_PER_GROUP] (4 or 8 lanes each).
 template <int LANES_PER_GROUP>
 inline __m512 spread_groups(__m128 f) {
@@ -288,14 +317,14 @@ inline __m512 load16_masked(const c10::Half* p, __mmask16 m) {
 // Weight row n times x rows r0 .. r0 + NR - 1: acc[r] gets 16 lane partial sums of
 // y[r0 + r, n], the mn offsets (sum_g mn[n, g] * gsum[r0 + r, g]) added into the same lanes;
 // the caller sums the lanes.
-template <int BITS, int GROUP, int NR, typename S>
+template <int BITS, int GROUP, bool GRID, int NR, typename S>
 __attribute__((always_inline)) inline void vnni_row(const QuantizedX& X, int64_t r0, const uint8_t* q,
                                                     const S* scale, const S* mn, int64_t row_bytes,
                                                     __mmask64 tail_mask, int tail_groups, int64_t n, vec16* out) {
   constexpr int kGroupsPerChunk = BITS == 4 ? 4 : kChunk / GROUP;
   const int64_t G = X.G, chunks = X.chunks;
   const uint8_t* qn = q + n * row_bytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   __m512 acc[NR];  // local: stores through `out` could alias the loads below and keep acc in memory
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   _mm_prefetch(reinterpret_cast<const char*>(scale + n * G) + kPrefetch / 8, _MM_HINT_T0);
@@ -307,8 +336,8 @@ __attribute__((always_inline)) inline void vnni_row(const QuantizedX& X, int64_t
     const __m512i w = _mm512_maskz_loadu_epi8(last ? tail_mask : ~0ull, qn + kChunk * i);
     const __m512 ws = lane_scales<16 / kGroupsPerChunk>(scale + n * G + kGroupsPerChunk * i,
                                                         last ? tail_groups : kGroupsPerChunk);
-    const __m512i lo = BITS == 4 ? _mm512_and_si512(w, low4) : w;
-    const __m512i hi = BITS == 4 ? _mm512_and_si512(_mm512_srli_epi16(w, 4), low4) : w;
+    const __m512i lo = BITS == 4 ? code_bytes<GRID>(_mm512_and_si512(w, low4), grid) : w;
+    const __m512i hi = BITS == 4 ? code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(w, 4), low4), grid) : w;
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const int64_t at = (r0 + r) * chunks + i;
@@ -329,7 +358,7 @@ __attribute__((always_inline)) inline void vnni_row(const QuantizedX& X, int64_t
 // Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n]. The lanes
 // of 16 weight rows at a time are summed by one transpose-and-add (lane_sums16) instead of a
 // horizontal sum per output.
-template <int BITS, int GROUP, int NR, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int NR, typename T, typename S>
 void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                 T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   constexpr int kGroupsPerChunk = BITS == 4 ? 4 : kChunk / GROUP;
@@ -341,7 +370,7 @@ void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scal
     const int rows = static_cast<int>(std::min<int64_t>(16, n1 - n));
     vec16 lanes[16][NR], by_row[NR][16];
     for (int j = 0; j < rows; ++j)
-      vnni_row<BITS, GROUP, NR, S>(X, r0, q, scale, mn, row_bytes, tail_mask, tail_groups, n + j, lanes[j]);
+      vnni_row<BITS, GROUP, GRID, NR, S>(X, r0, q, scale, mn, row_bytes, tail_mask, tail_groups, n + j, lanes[j]);
     for (int r = 0; r < NR; ++r) {
       for (int j = 0; j < 16; ++j) by_row[r][j] = j < rows ? lanes[j][r] : vec16{};
       const vec16 sums = lane_sums16(by_row[r]);
@@ -350,17 +379,17 @@ void vnni_block(const QuantizedX& X, int64_t r0, const uint8_t* q, const S* scal
   }
 }
 
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, typename T, typename S>
 void vnni_rows(const QuantizedX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {  // a tile's weights stay in cache for every row block
     const int64_t t1 = std::min(n1, t0 + kTileRows);
     for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
       switch (std::min<int64_t>(kRowBlock, R - r0)) {
-        case 1: vnni_block<BITS, GROUP, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
-        case 2: vnni_block<BITS, GROUP, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
-        case 3: vnni_block<BITS, GROUP, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
-        default: vnni_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 1: vnni_block<BITS, GROUP, GRID, 1, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 2: vnni_block<BITS, GROUP, GRID, 2, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        case 3: vnni_block<BITS, GROUP, GRID, 3, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
+        default: vnni_block<BITS, GROUP, GRID, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
       }
     }
   }
@@ -449,7 +478,7 @@ inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count
 // w[(g * GROUP / 4 + v) * kSubs + s] holds rows n + 16s .. + 15 for columns GROUP * g + 4v .. + 3;
 // their scales and offsets as floats: ws[kTileRows * g + i], wmn[kTileRows * g + i] of row n + i
 // (`flat`: scratch of kTileRows * G rounded up to 16 floats). Returns symmetric_offset of the tile.
-template <int BITS, int GROUP, typename S, bool PACKED = false>
+template <int BITS, int GROUP, typename S, bool PACKED = false, bool GRID = false>
 int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_bytes, int64_t G, int64_t n, int rows,
                   __m512i* w, float* ws, float* wmn, float* flat, int64_t ahead) {
   // the next tile's bytes (`ahead` of them, right after this tile's), asked for a share per group:
@@ -465,7 +494,7 @@ int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_byt
     base[j] = j < rows ? q + (n + j) * row_bytes : zeros;
     step[j] = j < rows ? kGroupBytes : 0;
   }
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t l = g * per_group; l < std::min(lines, (g + 1) * per_group); ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
     for (int sub = 0; sub < kSubs; ++sub) {
@@ -491,8 +520,9 @@ int32_t gemm_tile(const uint8_t* q, const S* scale, const S* mn, int64_t row_byt
           if constexpr (BITS == 4 && PACKED) {  // dword m: both nibbles of bytes 4m .. 4m + 3
             _mm512_store_si512(out + m * kSubs, b[m]);
           } else if constexpr (BITS == 4) {  // dword m: columns 32g + 4m .. (low nibbles), 32g + 16 + 4m .. (high)
-            _mm512_store_si512(out + m * kSubs, _mm512_and_si512(b[m], low4));
-            _mm512_store_si512(out + (4 + m) * kSubs, _mm512_and_si512(_mm512_srli_epi16(b[m], 4), low4));
+            _mm512_store_si512(out + m * kSubs, code_bytes<GRID>(_mm512_and_si512(b[m], low4), grid));
+            _mm512_store_si512(out + (4 + m) * kSubs,
+                               code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(b[m], 4), low4), grid));
           } else {  // columns GROUP * g + 16h + 4m ..
             _mm512_store_si512(out + (4 * h + m) * kSubs, b[m]);
           }
@@ -598,7 +628,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
 // transposed here (gemm_tile) and multiplied by every row block of x. (A weight whose tiles were
 // stored at load reads its packed tiles instead: gemv_rows, the same sums.)
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, typename T, typename S>
 void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, const S* mn, const float* bias, T* y,
                int64_t K, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = X.G, row_bytes = BITS == 4 ? K / 2 : K;
@@ -613,7 +643,7 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
       prefetch_bytes(mn + next * G, next_rows * G * static_cast<int64_t>(sizeof(S)));
     }
     const int64_t ahead = t + 1 < t1 ? std::min<int64_t>(kTileRows, N - n - kTileRows) * row_bytes : 0;
-    const int32_t sym = gemm_tile<BITS, GROUP, S>(q, scale, mn, row_bytes, G, n, rows, scratch.data(),
+    const int32_t sym = gemm_tile<BITS, GROUP, S, false, GRID>(q, scale, mn, row_bytes, G, n, rows, scratch.data(),
                                                   scratch_s.data(), scratch_s.data() + kTileRows * G, flat.data(), ahead);
     const __m512i* w = scratch.data();
     const float* ws = scratch_s.data();
@@ -671,13 +701,13 @@ inline __m512 load16_scales(const c10::Half* p) {
 // and odd dwords of 8-bit weights) keep two dependency chains, above one (the registers of 6
 // rows); a symmetric tile (sym = its offset c) starts them at -c * sum(qx) and adds no offset
 // term, as gemm_block does.
-template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
                 int64_t N, int64_t n, int rows, bool stream) {
   constexpr int kV = packed_vectors(BITS, GROUP);
   constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
   const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   __m512 acc[NR][kSubs];
   for (int r = 0; r < NR; ++r)
     for (int s = 0; s < kSubs; ++s) acc[r][s] = _mm512_setzero_ps();
@@ -704,7 +734,8 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
       for (int s = 0; s < kSubs; ++s) {
         const __m512i wv = _mm512_load_si512(w + v * kSubs + s);
         if constexpr (BITS == 4) {
-          const __m512i lo = _mm512_and_si512(wv, low4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+          const __m512i lo = code_bytes<GRID>(_mm512_and_si512(wv, low4), grid);
+          const __m512i hi = code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
 #pragma GCC unroll 8
           for (int r = 0; r < NR; ++r) {
             const int8_t* xr = qx + r * X.stride + GROUP * g;
@@ -747,11 +778,11 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
 // A 4-bit packed tile (G groups) written out in the 8-bit layout: per group its vectors' low
 // nibbles as vectors 0-3 (x's columns 32g + 4v ..) and their high nibbles as vectors 4-7
 // (32g + 16 + 4v ..), the scales and offsets as they are, so that gemv_block<8> takes it.
-template <typename S>
+template <bool GRID, typename S>
 void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
   constexpr int kV = packed_vectors(4, 32);
   const int64_t from = packed_group_bytes(4, 32, sizeof(S), with_mn), to = packed_group_bytes(8, 32, sizeof(S), with_mn);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   std::memcpy(out, tile, 64);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* at = tile + 64 + g * from;
@@ -759,8 +790,9 @@ void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
     prefetch_bytes(at + kPrefetch, from);
     for (int v = 0; v < kV * kSubs; ++v) {
       const __m512i wv = _mm512_load_si512(at + 64 * v);
-      _mm512_store_si512(dst + 64 * v, _mm512_and_si512(wv, low4));
-      _mm512_store_si512(dst + 64 * (v + kV * kSubs), _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4));
+      _mm512_store_si512(dst + 64 * v, code_bytes<GRID>(_mm512_and_si512(wv, low4), grid));
+      _mm512_store_si512(dst + 64 * (v + kV * kSubs),
+                         code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid));
     }
     std::memcpy(dst + 2 * kV * kSubs * 64, at + kV * kSubs * 64, from - kV * kSubs * 64);
   }
@@ -773,19 +805,19 @@ void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
 constexpr int64_t kWidenRows = 32;
 
 // Rows of x in blocks of `block` times one packed tile (weight rows [n, n + rows)).
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, typename T, typename S>
 void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, bool with_mn, int32_t sym,
                  const float* bias, T* y, int64_t N, int64_t n, int rows, bool stream) {
   auto blocks = [&](auto symmetric) {
     constexpr bool SYM = decltype(symmetric)::value;
     for (int64_t r0 = 0; r0 < R; r0 += block) {
       switch (std::min<int64_t>(block, R - r0)) {
-        case 1: gemv_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 2: gemv_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 3: gemv_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 4: gemv_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 5: gemv_block<BITS, GROUP, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        default: gemv_block<BITS, GROUP, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 1: gemv_block<BITS, GROUP, GRID, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 2: gemv_block<BITS, GROUP, GRID, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 3: gemv_block<BITS, GROUP, GRID, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 4: gemv_block<BITS, GROUP, GRID, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 5: gemv_block<BITS, GROUP, GRID, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        default: gemv_block<BITS, GROUP, GRID, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
       }
     }
   };
@@ -798,7 +830,7 @@ void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, 
 
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
 // multiplied by every block of up to kGemvBlock (few rows) or kGemmBlock rows (from L1 / L2 after the first).
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, typename T, typename S>
 void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
                int64_t t0, int64_t t1) {
   const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn);
@@ -820,12 +852,12 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     if constexpr (BITS == 4) {
       if (widen) {
-        widen_tile<S>(tile, X.G, with_mn, copy);
-        tile_blocks<8, 32, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
+        widen_tile<GRID, S>(tile, X.G, with_mn, copy);
+        tile_blocks<8, 32, false, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
         continue;
       }
     }
-    tile_blocks<BITS, GROUP, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
+    tile_blocks<BITS, GROUP, GRID, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
   }
 }
 
@@ -1171,16 +1203,20 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 #endif
 #endif
 
-// f(bits, group) as compile-time constants (std::integral_constant) for the layout (bits, group):
-// 4-bit group 32, 8-bit group 32 or 16.
+// f(bits, group, grid) as compile-time constants (std::integral_constant) for the layout (bits,
+// group; `grid`: the 4-bit codes index the grid): 4-bit group 32 (codes or grid), 8-bit group 32
+// or 16.
 template <typename F>
-inline void by_layout(int64_t bits, int64_t group, const F& f) {
-  if (bits == 4) {
-    f(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
+inline void by_layout(int64_t bits, int64_t group, bool grid, const F& f) {
+  using No = std::false_type;
+  if (bits == 4 && grid) {
+    f(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{}, std::true_type{});
+  } else if (bits == 4) {
+    f(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{}, No{});
   } else if (group == 32) {
-    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{}, No{});
   } else {
-    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
+    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{}, No{});
   }
 }
 
@@ -1189,8 +1225,8 @@ inline void by_layout(int64_t bits, int64_t group, const F& f) {
 // rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const uint8_t* tiles, bool tiles_mn, const float* bias, int64_t bits, int64_t group, bool int8_x,
-                       at::Tensor& y,
+                       const uint8_t* tiles, bool tiles_mn, const float* bias, int64_t bits, int64_t group, bool grid,
+                       bool int8_x, at::Tensor& y,
                        const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
@@ -1207,12 +1243,13 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       const int64_t count = (N + kTileRows - 1) / kTileRows;
       const int64_t tile_grain = std::max<int64_t>(1, grain * kRowBlock / (kTileRows * R));
       share.run(count, tile_grain, [&](int64_t t0, int64_t t1) {
-        by_layout(bits, group, [&](auto b, auto g) {
+        by_layout(bits, group, grid, [&](auto b, auto g, auto c) {
           constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+          constexpr bool kGridded = decltype(c)::value;
           if (tiles) {
-            gemv_rows<kBits, kGroup, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+            gemv_rows<kBits, kGroup, kGridded, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
           } else {
-            gemm_rows<kBits, kGroup, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
+            gemm_rows<kBits, kGroup, kGridded, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
           }
         });
       });
@@ -1220,17 +1257,19 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     }
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
-      by_layout(bits, group, [&](auto b, auto g) {
-        vnni_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
+      by_layout(bits, group, grid, [&](auto b, auto g, auto c) {
+        vnni_rows<decltype(b)::value, decltype(g)::value, decltype(c)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N,
+                                                                                    n0, n1);
       });
     });
     return;
   }
 #elif defined(TANDEM_QUANT_AVX2)
   if (!std::is_same_v<T, float> || int8_x) {
+    TORCH_CHECK(!grid, "quant_linear: the AVX2 build takes no grid layout (widen it to bits 8)");
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
-      by_layout(bits, group, [&](auto b, auto g) {
+      by_layout(bits, group, false, [&](auto b, auto g, auto) {
         avx2_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       });
     });
@@ -1251,8 +1290,8 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     }
   }
   share.run(N, grain, [&](int64_t n0, int64_t n1) {
-    by_layout(bits, group, [&](auto b, auto g) {
-      quant_rows<decltype(b)::value, decltype(g)::value, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
+    by_layout(bits, group, grid, [&](auto b, auto g, auto c) {
+      quant_rows<decltype(b)::value, decltype(g)::value, decltype(c)::value, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
     });
   });
 }
@@ -1260,6 +1299,12 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }  // namespace
 
 namespace tandem_cpu {
+
+// A layout code (bits, or bits | kGrid) as (bits, grid); a code of no layout is refused.
+std::pair<int64_t, bool> layout_bits(const char* op, int64_t code) {
+  TORCH_CHECK(code == 4 || code == 8 || code == (4 | kGrid), op, ": bits must be 4, 8 or 4 | ", kGrid, " (grid)");
+  return {code & ~kGrid, (code & kGrid) != 0};
+}
 
 // W's tensors checked against each other and K: q uint8 [N, K/2] (bits 4) or [N, K] (bits 8),
 // scale and mn float32 or float16 (one dtype) [N, K/group].
@@ -1284,8 +1329,9 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
 // (gemv_rows, for every row count; from kGemmRows rows the sums of the tiles gemm_rows
 // transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
 // quant_linear's `tiles`. Elsewhere an empty tensor.
-at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits, int64_t group) {
+at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
+  const int64_t bits = layout_bits("quant_tiles", code).first;  // a grid's tiles hold its codes as they are
   const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
   check_weight("quant_tiles", K, q, scale, mn, bits, group);
 #ifdef TANDEM_QUANT_VNNI
@@ -1295,7 +1341,7 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
     const bool with_mn = tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
     tiles = at::empty({stored_tiles_bytes(N, K / group, bits, group, sizeof(S), with_mn)}, q.options());
     TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
-    by_layout(bits, group, [&](auto b, auto g) {
+    by_layout(bits, group, false, [&](auto b, auto g, auto) {
       store_tiles<decltype(b)::value, decltype(g)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(),
                                                              mn.data_ptr<S>(), K, N, with_mn, tiles.data_ptr<uint8_t>());
     });
@@ -1317,9 +1363,12 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
 // int8_x: float32 rows too take the int8 path (bfloat16 / float16 rows always do, where the
 // build has one). tiles: quant_tiles of the same W (64-byte aligned), or None (or empty).
 void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       int64_t bits, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
+                       int64_t code, int64_t group, bool int8_x, const c10::optional<at::Tensor>& bias, at::Tensor& y,
                        const Share& share, const c10::optional<at::Tensor>& tiles) {
   TORCH_CHECK(x.device().is_cpu(), "quant_linear: CPU tensors only");
+  const std::pair<int64_t, bool> layout = layout_bits("quant_linear", code);
+  const int64_t bits = layout.first;
+  const bool grid = layout.second;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quant_linear: x must be [rows, in] with contiguous rows");
   const int64_t R = x.size(0), K = x.size(1);
   check_weight("quant_linear", K, q, scale, mn, bits, group);
@@ -1352,9 +1401,9 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, grid, int8_x, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, int8_x, y, share);
+      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, grid, int8_x, y, share);
     }
   };
   switch (x.scalar_type()) {

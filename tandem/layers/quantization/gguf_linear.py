@@ -128,6 +128,13 @@ def quantize_dense(weight: torch.Tensor, method: str) -> Packed | None:
     return repack(blocks, qtype, tuple(dense.shape))
 
 
+def takes_grid(isa: str) -> bool:
+    """Whether the kernel build whose paths are `isa` (`quant_linear_isa()`) takes the grid
+    layout (IQ4_NL / IQ4_XS's 4-bit codes): its AVX-512 VNNI and float paths do; the AVX2 path
+    does not, and gets those weights widened to bits 8 (the same values, twice the bytes)."""
+    return not isa.startswith(("avx_vnni", "avx2"))
+
+
 def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`scale` and `mn` as float16 when float16 holds every value exactly (the types whose
     file stores float16 scales: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1; 2 bytes fewer per group), else
@@ -165,7 +172,10 @@ class QuantLinearKernel:
     multiplied exactly (dequantize-then-matmul up to the summation order)."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, ops, int8_x: bool, max_rows: int):
-        self.bits, self.group, self.ops, self.int8_x = packed.bits, packed.group, ops, int8_x
+        if packed.grid and not takes_grid(ops.quant_linear_isa()):
+            packed = widen(packed, packed.group)
+        # bits: the kernels' layout code (`Packed.code`: bits, or bits | GRID)
+        self.bits, self.group, self.ops, self.int8_x = packed.code, packed.group, ops, int8_x
         self.max_rows = max_rows  # inputs of more rows take the dense kernel (`quant_max_rows`)
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
@@ -203,7 +213,7 @@ class QuantLinearKernel:
         packs = [part.pack() for part in parts]
         if ops is None or any(p is None for p in packs):
             return None
-        if len({(p.bits, p.group) for p in packs}) > 1:
+        if len({p.layout for p in packs}) > 1:
             group = min(p.group for p in packs)
             packs = [widen(p, group) for p in packs]
         packed = concat_rows(packs) if len(packs) > 1 else packs[0]

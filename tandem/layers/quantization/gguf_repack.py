@@ -7,7 +7,10 @@ A :class:`Packed` matrix is ``weight[r, c] = scale[r, c // group] * q[r, c] + mn
   ``32g .. 32g+31``) byte ``16g + j`` of a row holds column ``32g + j`` in its low nibble and
   column ``32g + 16 + j`` in its high nibble (ggml's own Q4_0 / Q4_1 order), values 0..15;
 * ``bits=8, group=16`` or ``32``: ``q`` uint8 ``[rows, cols]``, values 0..255;
-* both: ``scale`` and ``mn`` float32 ``[rows, cols // group]``; every array C-contiguous.
+* ``bits=4, group=32, grid=True``: the 4-bit layout whose values are codes into IQ4_NL's
+  non-linear grid: the weight's ``q`` is ``GRID_VALUES[code]`` (ggml's int8 grid + 128);
+  the kernels take it as the code ``bits | GRID`` (`Packed.code`);
+* all: ``scale`` and ``mn`` float32 ``[rows, cols // group]``; every array C-contiguous.
 
 :func:`repack` turns a GGUF tensor's blocks into one of them without losing anything:
 
@@ -24,8 +27,8 @@ Q5_K      bits 8, group 32                q, d*sc, -(dmin*m)
 Q6_K      bits 8, group 16                q, d*sc, -32*(d*sc)     (int8 sc)
 Q3_K      bits 8, group 16                q + 4, d*(sc-32), -4*(d*(sc-32))
 Q2_K      bits 8, group 16                q, d*(sc&15), -(dmin*(sc>>4))
-IQ4_NL    bits 8, group 32                grid[q] + 128, d, -128d
-IQ4_XS    bits 8, group 32                grid[q] + 128, d*(ls-32), -128*(d*(ls-32))
+IQ4_NL    bits 4, group 32, grid          code, d, -128d          (grid[code] + 128)
+IQ4_XS    bits 4, group 32, grid          code, d*(ls-32), -128*(d*(ls-32))  (6-bit ls)
 ========  ==============================  =========================================
 
 Scales are computed in float32 exactly as ``gguf.quants`` computes them (the f16 ``d`` widened,
@@ -48,6 +51,11 @@ QK_K = 256
 
 # The (bits, group) formats the kernels take.
 FORMATS = frozenset({(4, 32), (8, 16), (8, 32)})
+# `bits | GRID`: the kernels' code of the grid layout (the C++ kernel's kGrid).
+GRID = 16
+# IQ4_NL / IQ4_XS values: a 4-bit code into ggml's non-linear grid of int8 values; the layout's
+# q is the grid value plus 128 (1..241), unsigned as the 8-bit layout's.
+GRID_VALUES = (np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int16) + 128).astype(np.uint8)
 
 
 @dataclass
@@ -59,10 +67,11 @@ class Packed:
     q: np.ndarray
     scale: np.ndarray
     mn: np.ndarray
+    grid: bool = False  # bits 4 only: q's values are codes into GRID_VALUES
 
     def __post_init__(self) -> None:
-        if (self.bits, self.group) not in FORMATS:
-            raise ValueError(f"no packed format with bits={self.bits}, group={self.group}")
+        if (self.bits, self.group) not in FORMATS or (self.grid and self.bits != 4):
+            raise ValueError(f"no packed format with bits={self.bits}, group={self.group}, grid={self.grid}")
         if self.q.dtype != np.uint8 or self.q.ndim != 2:
             raise ValueError(f"q must be a 2-D uint8 array, got {self.q.dtype} {self.q.shape}")
         rows, cols = self.rows, self.cols
@@ -77,6 +86,19 @@ class Packed:
         self.mn = np.ascontiguousarray(self.mn)
 
     @property
+    def layout(self) -> tuple[int, int, bool]:
+        return self.bits, self.group, self.grid
+
+    @property
+    def code(self) -> int:
+        """The kernels' `bits` argument: bits, or bits | GRID for the grid layout."""
+        return self.bits | GRID if self.grid else self.bits
+
+    def take_rows(self, rows) -> Packed:
+        """The rows ``rows`` (an index array or slice) in the same layout."""
+        return Packed(self.bits, self.group, self.q[rows], self.scale[rows], self.mn[rows], self.grid)
+
+    @property
     def rows(self) -> int:
         return self.q.shape[0]
 
@@ -85,8 +107,11 @@ class Packed:
         return self.q.shape[1] * (2 if self.bits == 4 else 1)
 
     def values(self) -> np.ndarray:
-        """q as one uint8 per weight, ``[rows, cols]`` (nibbles unpacked for bits=4)."""
-        return _unpack4(self.q) if self.bits == 4 else self.q
+        """q as one uint8 per weight, ``[rows, cols]`` (nibbles unpacked for bits=4, grid codes
+        looked up)."""
+        if self.bits == 8:
+            return self.q
+        return GRID_VALUES[_unpack4(self.q)] if self.grid else _unpack4(self.q)
 
     def dequantize(self) -> np.ndarray:
         """The weights, float32 ``[rows, cols]``: ``scale * q + mn`` (two float32 roundings,
@@ -233,20 +258,13 @@ def _q2_k(b):
     return 8, 16, _flat(q), _flat(scale), _flat(mn)
 
 
-# IQ4_NL / IQ4_XS values: a 4-bit index into ggml's non-linear grid of int8 values,
-# stored plus 128 (1..241) as the 8-bit layout's unsigned q.
-_IQ4_GRID = (np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int16) + 128).astype(np.uint8)
-
-
-def _iq4_values(qs: np.ndarray) -> np.ndarray:
-    """16 bytes of grid indices [..., 16] (value j the low nibble of byte j, 16 + j its high
-    nibble) -> the grid values + 128, uint8 [..., 32]."""
-    return _IQ4_GRID[_bits(qs, [0, 4], 0x0F).reshape(*qs.shape[:-1], 32)]
+# IQ4_NL / IQ4_XS: per 32 values 16 bytes of grid codes in ggml's Q4 nibble order (value j the
+# low nibble of byte j, 16 + j its high one): the 4-bit layout's bytes as they are.
 
 
 def _iq4_nl(b):
     d = _f16(b[..., 0:2])
-    return 8, 32, _flat(_iq4_values(b[..., 2:18])), d, d * np.float32(-128)
+    return 4, 32, _flat(b[..., 2:18]), d, d * np.float32(-128)
 
 
 def _iq4_xs(b):
@@ -257,8 +275,7 @@ def _iq4_xs(b):
     high = _bits(b[..., 2:4], [0, 2, 4, 6], 0x03).swapaxes(-1, -2).reshape(*lead, 8)
     ls = (low | (high << np.uint8(4))).astype(np.float32) - np.float32(32)
     scale = _f16(b[..., 0:2])[..., None] * ls
-    q = _iq4_values(b[..., 8:136].reshape(*lead, 8, 16))
-    return 8, 32, _flat(q), _flat(scale), _flat(scale * np.float32(-128))
+    return 4, 32, _flat(b[..., 8:136]), _flat(scale), _flat(scale * np.float32(-128))
 
 
 _REPACKERS = {
@@ -277,6 +294,7 @@ _REPACKERS = {
 }
 
 SUPPORTED_QTYPES = frozenset(_REPACKERS)
+GRID_QTYPES = frozenset({QT.IQ4_NL, QT.IQ4_XS})  # their codes index GRID_VALUES
 
 
 def repack(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> Packed | None:
@@ -298,7 +316,7 @@ def repack(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[in
     if b.size != rows * (cols // block_size) * type_size:
         raise ValueError(f"{b.size} bytes are not a {QT(qtype).name} tensor of shape {(rows, cols)}")
     bits, group, q, scale, mn = fn(b.reshape(rows, cols // block_size, type_size))
-    return Packed(bits, group, q.reshape(rows, -1), scale, mn)
+    return Packed(bits, group, q.reshape(rows, -1), scale, mn, QT(qtype) in GRID_QTYPES)
 
 
 def widen(p: Packed, group: int) -> Packed:
@@ -307,6 +325,7 @@ def widen(p: Packed, group: int) -> Packed:
     ``p`` itself when it is already in that format; the result may share ``p``'s q."""
     if (8, group) not in FORMATS or p.group % group:
         raise ValueError(f"cannot widen bits={p.bits}, group={p.group} to bits=8, group={group}")
+    # (a grid's values are 1..241: the 8-bit layout holds them as they are)
     if p.bits == 8 and p.group == group:
         return p
     reps = p.group // group
@@ -319,10 +338,8 @@ def concat_rows(parts: list[Packed]) -> Packed:
         raise ValueError("concat_rows needs at least one part")
     first = parts[0]
     for p in parts[1:]:
-        if (p.bits, p.group) != (first.bits, first.group):
-            raise ValueError(
-                f"cannot stack bits={p.bits}, group={p.group} under bits={first.bits}, group={first.group}: widen first"
-            )
+        if p.layout != first.layout:
+            raise ValueError(f"cannot stack layout {p.layout} under {first.layout}: widen first")
         if p.cols != first.cols:
             raise ValueError(f"cannot stack {p.cols} columns under {first.cols}")
     return Packed(
@@ -331,6 +348,7 @@ def concat_rows(parts: list[Packed]) -> Packed:
         np.concatenate([p.q for p in parts], axis=0),
         np.concatenate([p.scale for p in parts], axis=0),
         np.concatenate([p.mn for p in parts], axis=0),
+        first.grid,
     )
 
 
@@ -350,4 +368,5 @@ def slice_cols(p: Packed, start: int, length: int) -> Packed:
         p.q[:, start // per_byte : stop // per_byte].copy(),
         p.scale[:, g0:g1].copy(),
         p.mn[:, g0:g1].copy(),
+        p.grid,
     )
