@@ -427,9 +427,7 @@ def _quantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     scales_l = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)  # [n, 4]
     high = (ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))
     scales_h = high.sum(axis=1, dtype=np.uint16).astype("<u2")
-    return np.concatenate(
-        [d.view(np.uint8).reshape(n, 2), scales_h.view(np.uint8).reshape(n, 2), scales_l, qs], axis=1
-    )
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), scales_h.view(np.uint8).reshape(n, 2), scales_l, qs], axis=1)
 
 
 def _quantize_q8_k(blocks: np.ndarray) -> np.ndarray:
@@ -439,7 +437,9 @@ def _quantize_q8_k(blocks: np.ndarray) -> np.ndarray:
     d = (np.abs(blocks).max(axis=1) / 127).astype(np.float32)
     q = np.clip(np.round(_safe_div(blocks, d[:, None])), -127, 127).astype(np.int8)
     sums = q.reshape(n, 16, 16).sum(axis=2, dtype=np.int16).astype("<i2")
-    return np.concatenate([d.view(np.uint8).reshape(n, 4), q.view(np.uint8), sums.view(np.uint8).reshape(n, 32)], axis=1)
+    return np.concatenate(
+        [d.view(np.uint8).reshape(n, 4), q.view(np.uint8), sums.view(np.uint8).reshape(n, 32)], axis=1
+    )
 
 
 _OWN_QUANTIZERS = {

@@ -74,8 +74,12 @@ def check_kernel(kernel, isa: str, name: str, rows: int) -> None:
     packed = repack(blocks(name, out_features, in_features), QT[name], (out_features, in_features))
     if packed.grid and not takes_grid(isa):  # the AVX2 path refuses the grid layout: widened as the layer does
         with pytest.raises(RuntimeError, match="grid"):
-            kernel(torch.ones(rows, in_features).bfloat16(), *map(torch.from_numpy, (packed.q, packed.scale, packed.mn)),
-                   packed.code, packed.group)
+            kernel(
+                torch.ones(rows, in_features).bfloat16(),
+                *map(torch.from_numpy, (packed.q, packed.scale, packed.mn)),
+                packed.code,
+                packed.group,
+            )
         packed = widen(packed, 32)
     weight = torch.from_numpy(gguf.quants.dequantize(blocks(name, out_features, in_features), QT[name])).double()
     arrays = [torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn)]

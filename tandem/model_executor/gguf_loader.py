@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-
 def _dequantizable(qtype: gguf.GGMLQuantizationType) -> bool:
     """Whether gguf's numpy code dequantizes `qtype` (one block of zeros tried)."""
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -36,7 +36,11 @@ def gguf_files(tmp_path_factory):
     # llama-iq4: IQ4_XS, the grid layout (4-bit codes into IQ4_NL's values)
     return {
         name: write_gguf(dirs[arch], root / f"{name}.gguf", qtype)
-        for name, arch, qtype in (("llama", "llama", "Q4_0"), ("qwen2", "qwen2", "Q8_0"), ("llama-iq4", "llama", "IQ4_XS"))
+        for name, arch, qtype in (
+            ("llama", "llama", "Q4_0"),
+            ("qwen2", "qwen2", "Q8_0"),
+            ("llama-iq4", "llama", "IQ4_XS"),
+        )
     }
 
 
