@@ -14,8 +14,9 @@ recipe: bfloat16 rows always, float32 rows unless the model asked for exact floa
 `--dtype float32`); exact float32 results equal the dense matmul's up to the summation order
 (the kernel computes in float32 on the exact dequantized values).
 
-Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows) are widened
-to the 8-bit layout to share one matrix. Where a part has no layout (F16, BF16, F32, a
+Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows, an IQ4_XS file's
+grid-coded rows and Q5_K ones) are widened to the 8-bit layout to share one matrix; so is the
+grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's (`takes_grid`). Where a part has no layout (F16, BF16, F32, a
 type without one), a tensor-parallel column slice does not fall on group boundaries, the
 rows do not cover the whole weight, the weight is not on the CPU or the C++ kernels are
 unavailable, the layer keeps only the dense kernel.
