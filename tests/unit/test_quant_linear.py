@@ -77,8 +77,9 @@ def test_extreme_bytes(kernel):
     check_extreme_bytes(KERNELS[kernel](), ops.quant_linear_isa())
 
 
-# the layouts: 4-bit (symmetric or not), 8-bit by 32 and by 16
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+# the layouts: 4-bit (symmetric or not), 8-bit by 32 and by 16; narrow tiles of 8-bit codes
+# below 16 (Q3_K), 32 (Q5_0) and 64 (Q6_K)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q5_0", "Q3_K"])
 def test_stored_tiles_give_the_same_outputs(name):
     """Where the build has the tiled paths (AVX-512 VNNI), `quant_tiles` stores the weight's
     packed tiles of 32 rows, which serve every row count: from 8 rows the many-rows path's sums
@@ -120,6 +121,27 @@ def test_stored_tiles_give_the_same_outputs(name):
                 False,
                 tiles,
             )
+
+
+# 8-bit codes below 16, 32 or 64 get narrow tiles (kind 1 + bit planes): bytes per code
+@pytest.mark.parametrize(
+    "name,kind,code_bits",
+    [("Q8_0", 0, 8), ("Q2_K", 1, 4), ("Q3_K", 1, 4), ("Q5_0", 2, 5), ("Q5_K", 2, 5), ("Q6_K", 3, 6)],
+)
+def test_narrow_tiles_hold_the_codes_in_fewer_bits(name, kind, code_bits):
+    """Against the tiles of the same weight with one code raised to 255 (8-bit tiles, the same
+    scales and offsets): smaller by the bits the narrow tiles leave out."""
+    if not ops.quant_linear_isa().startswith("avx512_vnni"):
+        pytest.skip("tiles are the AVX-512 VNNI path's")
+    rows, cols = 64, 1024
+    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    q, scale, mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
+    tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
+    wide_q = q.clone()
+    wide_q[0, 0] = 255
+    wide = ops.quant_tiles(wide_q, scale, mn, packed.code, packed.group)
+    assert int(tiles[4:8].view(torch.int32)) == kind and int(wide[4:8].view(torch.int32)) == 0  # headers
+    assert (wide.numel() - tiles.numel()) * 8 == rows * cols * (8 - code_bits)
 
 
 @pytest.mark.slow  # ~20 s: 900 products of up to 4096 x 1536, with and without stored tiles

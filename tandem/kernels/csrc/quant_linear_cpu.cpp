@@ -683,12 +683,43 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
 // symmetric_offset, then per group g its vectors (packed_vectors x kSubs), the kTileRows scales
 // and, where some tile of the weight is not symmetric (`with_mn`), the kTileRows offsets (each
 // rounded up to 64 bytes).
+//
+// Narrow tiles: the packed tiles of an 8-bit weight whose codes all lie below 16, 32 or 64 (Q2_K,
+// Q3_K; Q5_0, Q5_1, Q5_K; Q6_K, and 4-bit parts widened to share a matrix with those) hold the
+// codes' low nibbles as a 4-bit tile does (vector v's bytes pair with vector v + kV/2's as low
+// and high nibbles: x's columns GROUP * g + 4v .. and GROUP * g + 4 (v + kV/2) ..), and after a
+// group's vectors its PLANES (0-2) bit planes: per vector, for plane k, a 64-bit mask of the low
+// nibbles' bit 4 + k, then one of the high nibbles'. 5 or 6 bits a weight instead of 8 (4 for
+// Q2_K / Q3_K), the same codes, the same integer sums: bit-identical results. A tile's header
+// says which (int32 at byte 4, `TileKind`): 0 the layout's own tile, 1 + PLANES a narrow one.
 constexpr int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-inline int64_t packed_group_bytes(int bits, int group, int64_t scale_bytes, bool with_mn) {
-  return packed_vectors(bits, group) * kSubs * 64 + (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
+inline int64_t plane_bytes(int bits, int group, int planes) {
+  return round64(static_cast<int64_t>(packed_vectors(bits, group)) * kSubs * 16 * planes);
 }
-inline int64_t packed_tile_bytes(int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
-  return 64 + G * packed_group_bytes(bits, group, scale_bytes, with_mn);
+inline int64_t packed_group_bytes(int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0) {
+  return packed_vectors(bits, group) * kSubs * 64 + plane_bytes(bits, group, planes) +
+         (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
+}
+inline int64_t packed_tile_bytes(int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0) {
+  return 64 + G * packed_group_bytes(bits, group, scale_bytes, with_mn, planes);
+}
+// The tile format of a weight of `bits` whose tiles are of kind `kind` (the header's): (bits of
+// the tile's vectors, planes).
+inline std::pair<int, int> tile_format(int64_t bits, int32_t kind) {
+  return kind == 0 ? std::pair<int, int>{static_cast<int>(bits), 0} : std::pair<int, int>{4, kind - 1};
+}
+
+// A narrow tile's bit planes (PLANES of them at p: per plane the low nibbles' mask, then the high
+// nibbles') added to the nibbles lo and hi: bit 4 + k of each code set where plane k says.
+template <int PLANES>
+inline void add_planes(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  for (int k = 0; k < PLANES; ++k) {
+    uint64_t m[2];
+    std::memcpy(m, p + 16 * k, 16);
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(0x10 << k));
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m[0]), lo, bit);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m[1]), hi, bit);
+  }
 }
 
 inline __m512 load16_scales(const float* p) { return _mm512_loadu_ps(p); }
@@ -701,12 +732,13 @@ inline __m512 load16_scales(const c10::Half* p) {
 // and odd dwords of 8-bit weights) keep two dependency chains, above one (the registers of 6
 // rows); a symmetric tile (sym = its offset c) starts them at -c * sum(qx) and adds no offset
 // term, as gemm_block does.
-template <int BITS, int GROUP, bool GRID, int NR, bool SYM, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
                 int64_t N, int64_t n, int rows, bool stream) {
   constexpr int kV = packed_vectors(BITS, GROUP);
   constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
-  const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
+  const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn, PLANES);
+  const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(BITS, GROUP, PLANES);
   const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   __m512 acc[NR][kSubs];
   for (int r = 0; r < NR; ++r)
@@ -715,7 +747,8 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* at = tile + 64 + g * group_bytes;
     const __m512i* w = reinterpret_cast<const __m512i*>(at);
-    const S* ws = reinterpret_cast<const S*>(at + kV * kSubs * 64);
+    const uint8_t* planes = at + kV * kSubs * 64;
+    const S* ws = reinterpret_cast<const S*>(at + vector_bytes);
     // the stream kPrefetch bytes ahead, a line for each line read (none in a widened copy)
     if (stream) prefetch_bytes(at + kPrefetch, group_bytes);
     // (4 rows with one chain took 1.05x the time, 6 with two spilled)
@@ -734,14 +767,15 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
       for (int s = 0; s < kSubs; ++s) {
         const __m512i wv = _mm512_load_si512(w + v * kSubs + s);
         if constexpr (BITS == 4) {
-          const __m512i lo = code_bytes<GRID>(_mm512_and_si512(wv, low4), grid);
-          const __m512i hi = code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
+          __m512i lo = code_bytes<GRID>(_mm512_and_si512(wv, low4), grid);
+          __m512i hi = code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
+          add_planes<PLANES>(planes + (v * kSubs + s) * 16 * PLANES, lo, hi);
 #pragma GCC unroll 8
           for (int r = 0; r < NR; ++r) {
             const int8_t* xr = qx + r * X.stride + GROUP * g;
             int32_t a, b;
             std::memcpy(&a, xr + 4 * v, 4);
-            std::memcpy(&b, xr + 16 + 4 * v, 4);
+            std::memcpy(&b, xr + 4 * (v + kV), 4);
             sum[r][s] = _mm512_dpbusd_epi32(sum[r][s], lo, _mm512_set1_epi32(a));
             second(r, s) = _mm512_dpbusd_epi32(second(r, s), hi, _mm512_set1_epi32(b));
           }
@@ -778,10 +812,12 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
 // A 4-bit packed tile (G groups) written out in the 8-bit layout: per group its vectors' low
 // nibbles as vectors 0-3 (x's columns 32g + 4v ..) and their high nibbles as vectors 4-7
 // (32g + 16 + 4v ..), the scales and offsets as they are, so that gemv_block<8> takes it.
-template <bool GRID, typename S>
+template <int GROUP, bool GRID, int PLANES, typename S>
 void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
-  constexpr int kV = packed_vectors(4, 32);
-  const int64_t from = packed_group_bytes(4, 32, sizeof(S), with_mn), to = packed_group_bytes(8, 32, sizeof(S), with_mn);
+  constexpr int kV = packed_vectors(4, GROUP);
+  const int64_t from = packed_group_bytes(4, GROUP, sizeof(S), with_mn, PLANES);
+  const int64_t to = packed_group_bytes(8, GROUP, sizeof(S), with_mn);
+  const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(4, GROUP, PLANES);
   const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   std::memcpy(out, tile, 64);
   for (int64_t g = 0; g < G; ++g) {
@@ -790,11 +826,13 @@ void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
     prefetch_bytes(at + kPrefetch, from);
     for (int v = 0; v < kV * kSubs; ++v) {
       const __m512i wv = _mm512_load_si512(at + 64 * v);
-      _mm512_store_si512(dst + 64 * v, code_bytes<GRID>(_mm512_and_si512(wv, low4), grid));
-      _mm512_store_si512(dst + 64 * (v + kV * kSubs),
-                         code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid));
+      __m512i lo = code_bytes<GRID>(_mm512_and_si512(wv, low4), grid);
+      __m512i hi = code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
+      add_planes<PLANES>(at + kV * kSubs * 64 + 16 * PLANES * v, lo, hi);
+      _mm512_store_si512(dst + 64 * v, lo);
+      _mm512_store_si512(dst + 64 * (v + kV * kSubs), hi);
     }
-    std::memcpy(dst + 2 * kV * kSubs * 64, at + kV * kSubs * 64, from - kV * kSubs * 64);
+    std::memcpy(dst + 2 * kV * kSubs * 64, at + vector_bytes, from - vector_bytes);
   }
 }
 
@@ -805,19 +843,19 @@ void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
 constexpr int64_t kWidenRows = 32;
 
 // Rows of x in blocks of `block` times one packed tile (weight rows [n, n + rows)).
-template <int BITS, int GROUP, bool GRID, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, typename T, typename S>
 void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, bool with_mn, int32_t sym,
                  const float* bias, T* y, int64_t N, int64_t n, int rows, bool stream) {
   auto blocks = [&](auto symmetric) {
     constexpr bool SYM = decltype(symmetric)::value;
     for (int64_t r0 = 0; r0 < R; r0 += block) {
       switch (std::min<int64_t>(block, R - r0)) {
-        case 1: gemv_block<BITS, GROUP, GRID, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 2: gemv_block<BITS, GROUP, GRID, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 3: gemv_block<BITS, GROUP, GRID, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 4: gemv_block<BITS, GROUP, GRID, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 5: gemv_block<BITS, GROUP, GRID, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        default: gemv_block<BITS, GROUP, GRID, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 1: gemv_block<BITS, GROUP, GRID, PLANES, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 2: gemv_block<BITS, GROUP, GRID, PLANES, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 3: gemv_block<BITS, GROUP, GRID, PLANES, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 4: gemv_block<BITS, GROUP, GRID, PLANES, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 5: gemv_block<BITS, GROUP, GRID, PLANES, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        default: gemv_block<BITS, GROUP, GRID, PLANES, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
       }
     }
   };
@@ -830,16 +868,16 @@ void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, 
 
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
 // multiplied by every block of up to kGemvBlock (few rows) or kGemmBlock rows (from L1 / L2 after the first).
-template <int BITS, int GROUP, bool GRID, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, typename T, typename S>
 void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
                int64_t t0, int64_t t1) {
-  const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn);
+  const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn, PLANES);
   const int64_t block = R <= kGemvFewRows ? kGemvBlock : kGemmBlock;
   const bool widen = BITS == 4 && R >= kWidenRows;
   static thread_local std::vector<uint8_t> widened;
   uint8_t* copy = nullptr;
   if (widen) {
-    const int64_t room = packed_tile_bytes(X.G, 8, 32, sizeof(S), with_mn) + 64;
+    const int64_t room = packed_tile_bytes(X.G, 8, GROUP, sizeof(S), with_mn) + 64;
     if (static_cast<int64_t>(widened.size()) < room) widened.resize(room);
     copy = widened.data() + (64 - reinterpret_cast<uintptr_t>(widened.data()) % 64) % 64;
   }
@@ -852,12 +890,12 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     if constexpr (BITS == 4) {
       if (widen) {
-        widen_tile<GRID, S>(tile, X.G, with_mn, copy);
-        tile_blocks<8, 32, false, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
+        widen_tile<GROUP, GRID, PLANES, S>(tile, X.G, with_mn, copy);
+        tile_blocks<8, GROUP, false, 0, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
         continue;
       }
     }
-    tile_blocks<BITS, GROUP, GRID, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
+    tile_blocks<BITS, GROUP, GRID, PLANES, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
   }
 }
 
@@ -878,20 +916,55 @@ bool tiles_need_offsets(const S* scale, const S* mn, int64_t N, int64_t G) {
 }
 
 // Bytes of W's stored tiles (quant_tiles): its packed tiles.
-inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn) {
+inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn,
+                                  int planes = 0) {
   const int64_t count = (N + kTileRows - 1) / kTileRows;
-  return count * packed_tile_bytes(G, bits, group, scale_bytes, with_mn);
+  return count * packed_tile_bytes(G, bits, group, scale_bytes, with_mn, planes);
+}
+
+// A group's 8-bit vectors (kV8 x kSubs, as gemm_tile writes them) as a narrow tile's (above):
+// vector v's codes and vector v + kV8 / 2's as low and high nibbles, then the bit planes.
+template <int GROUP, int PLANES>
+void narrow_vectors(const __m512i* w8, uint8_t* out) {
+  constexpr int kV = GROUP / 8;  // packed vectors: half the 8-bit ones
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  uint8_t* planes = out + kV * kSubs * 64;
+  for (int v = 0; v < kV; ++v)
+    for (int s = 0; s < kSubs; ++s) {
+      const __m512i lo = w8[v * kSubs + s], hi = w8[(v + kV) * kSubs + s];
+      const __m512i nibbles =
+          _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_slli_epi16(_mm512_and_si512(hi, low4), 4));
+      _mm512_store_si512(out + 64 * (v * kSubs + s), nibbles);
+      for (int k = 0; k < PLANES; ++k) {
+        const __m512i bit = _mm512_set1_epi8(static_cast<char>(0x10 << k));
+        const uint64_t m[2] = {_cvtmask64_u64(_mm512_test_epi8_mask(lo, bit)),
+                               _cvtmask64_u64(_mm512_test_epi8_mask(hi, bit))};
+        std::memcpy(planes + (v * kSubs + s) * 16 * PLANES + 16 * k, m, 16);
+      }
+    }
+}
+
+// The tile kind quant_tiles stores for W (bits, its codes q [N, row bytes]): a narrow tile (1 +
+// planes) for an 8-bit weight whose codes lie below 64, else 0.
+inline int32_t narrow_kind(const at::Tensor& q, int64_t bits) {
+  if (bits != 8 || q.numel() == 0) return 0;
+  const int top = q.max().item<uint8_t>();
+  return top < 16 ? 1 : top < 32 ? 2 : top < 64 ? 3 : 0;
 }
 
 // Every packed tile of W, one after another (tiles[t]: stored_tiles_bytes / tiles): its
-// symmetric offset, then per group its vectors (as gemm_tile writes them, moved in place) and
-// its scales (and offsets) back in S (exact: they came from S).
-template <int BITS, int GROUP, typename S>
+// symmetric offset and kind (KIND: 0, or 1 + planes for a narrow tile of an 8-bit W), then per
+// group its vectors (as gemm_tile writes them, moved in place, or narrowed) and its scales (and
+// offsets) back in S (exact: they came from S).
+template <int BITS, int GROUP, int KIND, typename S>
 void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles) {
+  constexpr int kPlanes = KIND == 0 ? 0 : KIND - 1, kTileBits = KIND == 0 ? BITS : 4;
+  static_assert(KIND == 0 || BITS == 8, "narrow tiles are of 8-bit weights");
   const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
-  const int64_t stored_bytes = packed_tile_bytes(G, BITS, GROUP, sizeof(S), with_mn);
-  constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;
-  const int64_t group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn);
+  const int64_t stored_bytes = packed_tile_bytes(G, kTileBits, GROUP, sizeof(S), with_mn, kPlanes);
+  constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;  // gemm_tile's, per group
+  const int64_t group_bytes = packed_group_bytes(kTileBits, GROUP, sizeof(S), with_mn, kPlanes);
+  const int64_t stored_vector_bytes = packed_vectors(kTileBits, GROUP) * kSubs * 64 + plane_bytes(kTileBits, GROUP, kPlanes);
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16)), fs(2 * kTileRows * G);
     std::vector<__m512i> vectors(G * kVectorBytes / 64);
@@ -901,13 +974,20 @@ void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64
       const int32_t sym = gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
                                                           vectors.data(), fs.data(), fs.data() + kTileRows * G,
                                                           flat.data(), 0);
+      const int32_t kind = KIND;
       std::memset(tile, 0, stored_bytes);
       std::memcpy(tile, &sym, sizeof(sym));
+      std::memcpy(tile + 4, &kind, sizeof(kind));
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* at = tile + 64 + g * group_bytes;
-        std::memcpy(at, reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes, kVectorBytes);
+        const uint8_t* from = reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes;
+        if constexpr (KIND == 0) {
+          std::memcpy(at, from, kVectorBytes);
+        } else {
+          narrow_vectors<GROUP, kPlanes>(reinterpret_cast<const __m512i*>(from), at);
+        }
         for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
-          S* dst = reinterpret_cast<S*>(at + kVectorBytes + a * round64(kTileRows * sizeof(S)));
+          S* dst = reinterpret_cast<S*>(at + stored_vector_bytes + a * round64(kTileRows * sizeof(S)));
           for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
         }
       }
@@ -1225,8 +1305,8 @@ inline void by_layout(int64_t bits, int64_t group, bool grid, const F& f) {
 // rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const uint8_t* tiles, bool tiles_mn, const float* bias, int64_t bits, int64_t group, bool grid,
-                       bool int8_x, at::Tensor& y,
+                       const uint8_t* tiles, bool tiles_mn, int32_t tiles_kind, const float* bias, int64_t bits,
+                       int64_t group, bool grid, bool int8_x, at::Tensor& y,
                        const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
@@ -1247,7 +1327,18 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
           constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
           constexpr bool kGridded = decltype(c)::value;
           if (tiles) {
-            gemv_rows<kBits, kGroup, kGridded, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+            auto narrow = [&](auto planes) {  // a narrow tile of an 8-bit weight: nibbles and planes
+              gemv_rows<4, kGroup, false, decltype(planes)::value, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+            };
+            if (kBits == 8 && tiles_kind == 1) {
+              narrow(std::integral_constant<int, 0>{});
+            } else if (kBits == 8 && tiles_kind == 2) {
+              narrow(std::integral_constant<int, 1>{});
+            } else if (kBits == 8 && tiles_kind == 3) {
+              narrow(std::integral_constant<int, 2>{});
+            } else {
+              gemv_rows<kBits, kGroup, kGridded, 0, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+            }
           } else {
             gemm_rows<kBits, kGroup, kGridded, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
           }
@@ -1339,11 +1430,26 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   auto run = [&](auto s) {
     using S = decltype(s);
     const bool with_mn = tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
-    tiles = at::empty({stored_tiles_bytes(N, K / group, bits, group, sizeof(S), with_mn)}, q.options());
+    const int32_t kind = narrow_kind(q, bits);
+    const auto [tile_bits, planes] = tile_format(bits, kind);
+    tiles = at::empty({stored_tiles_bytes(N, K / group, tile_bits, group, sizeof(S), with_mn, planes)}, q.options());
     TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
     by_layout(bits, group, false, [&](auto b, auto g, auto) {
-      store_tiles<decltype(b)::value, decltype(g)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(),
-                                                             mn.data_ptr<S>(), K, N, with_mn, tiles.data_ptr<uint8_t>());
+      constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+      auto store = [&](auto k) {
+        store_tiles<kBits, kGroup, decltype(k)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(), mn.data_ptr<S>(),
+                                                          K, N, with_mn, tiles.data_ptr<uint8_t>());
+      };
+      if constexpr (kBits == 8) {
+        switch (kind) {
+          case 1: store(std::integral_constant<int, 1>{}); break;
+          case 2: store(std::integral_constant<int, 2>{}); break;
+          case 3: store(std::integral_constant<int, 3>{}); break;
+          default: store(std::integral_constant<int, 0>{}); break;
+        }
+      } else {
+        store(std::integral_constant<int, 0>{});
+      }
     });
   };
   if (scale.scalar_type() == at::kHalf) {
@@ -1384,12 +1490,18 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   }
   const uint8_t* tiles_p = nullptr;
   bool tiles_mn = false;  // the packed tiles hold offsets (told by their size: tiles_need_offsets)
+  int32_t tiles_kind = 0;  // their kind (the first tile's header: narrow tiles of an 8-bit weight)
   if (tiles.has_value() && tiles->numel() > 0) {
 #ifdef TANDEM_QUANT_VNNI
     const int64_t G = K / group, sb = scale.element_size();
-    tiles_mn = tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, true);
-    TORCH_CHECK(tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
-                    (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, bits, group, sb, false)) &&
+    const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
+                          tiles->numel() >= 64;
+    if (bytes_ok) std::memcpy(&tiles_kind, tiles->data_ptr<uint8_t>() + 4, sizeof(tiles_kind));
+    const bool kind_ok = tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3);
+    const auto [tile_bits, planes] = tile_format(bits, kind_ok ? tiles_kind : 0);
+    tiles_mn = tiles->numel() == stored_tiles_bytes(N, G, tile_bits, group, sb, true, planes);
+    TORCH_CHECK(bytes_ok && kind_ok &&
+                    (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, tile_bits, group, sb, false, planes)) &&
                     reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
@@ -1401,9 +1513,11 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, grid, int8_x, y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, bias_p, bits, group, grid, int8_x,
+                                      y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, bias_p, bits, group, grid, int8_x, y, share);
+      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, bias_p, bits, group, grid, int8_x, y,
+                                  share);
     }
   };
   switch (x.scalar_type()) {
