@@ -20,8 +20,8 @@ grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's (`takes_grid`
 AVX-512 VNNI build, the stored tiles of an 8-bit weight whose codes lie below 16, 32 or 64 (Q2_K,
 Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles").
 Where a part has no layout (F16, BF16, F32, a type without one), a tensor-parallel column
-slice does not fall on group boundaries, the rows do not cover the whole weight, the weight is not on the CPU or the C++ kernels are
-unavailable, the layer keeps only the dense kernel.
+slice does not fall on group boundaries, the rows do not cover the whole weight, the weight
+is not on the CPU or the C++ kernels are unavailable, the layer keeps only the dense kernel.
 
 `--quantization q8_0|q4_0|q4_1` gives a Hugging Face checkpoint the same kernel:
 `quantize_dense` rounds a layer's dense weight to that GGUF type with gguf's own numpy
