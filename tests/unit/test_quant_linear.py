@@ -42,7 +42,12 @@ from quant_kernel_checks import TYPES, blocks, check_extreme_bytes, check_kernel
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tandem.layers.linear_kernel import can_pack
-from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS, QUANT_MAX_ROWS_ALL, QUANT_MAX_ROWS_INT8
+from tandem.layers.quantization.gguf_linear import (
+    QUANT_MAX_ROWS,
+    QUANT_MAX_ROWS_ALL,
+    QUANT_MAX_ROWS_INT8,
+    narrowest_scales,
+)
 from tandem.layers.quantization.gguf_repack import repack
 from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.model_executor.gguf_loader import GGUFWeight
@@ -123,25 +128,40 @@ def test_stored_tiles_give_the_same_outputs(name):
             )
 
 
-# 8-bit codes below 16, 32 or 64 get narrow tiles (kind 1 + bit planes): bytes per code
+# Narrow tiles (8-bit codes below 16, 32 or 64: kind 1 + bit planes) and compact scales (float32
+# scales of 4-bit tiles that factor per 256 columns: the K-quants, IQ4_XS)
 @pytest.mark.parametrize(
-    "name,kind,code_bits",
-    [("Q8_0", 0, 8), ("Q2_K", 1, 4), ("Q3_K", 1, 4), ("Q5_0", 2, 5), ("Q5_K", 2, 5), ("Q6_K", 3, 6)],
+    "name,kind,compact",
+    [
+        *(("Q8_0", 0, 0), ("Q4_0", 0, 0), ("Q4_K", 0, 1), ("IQ4_XS", 0, 1), ("Q2_K", 1, 1), ("Q3_K", 1, 1)),
+        *(("Q5_0", 2, 0), ("Q5_K", 2, 1), ("Q6_K", 3, 1)),
+    ],
 )
-def test_narrow_tiles_hold_the_codes_in_fewer_bits(name, kind, code_bits):
-    """Against the tiles of the same weight with one code raised to 255 (8-bit tiles, the same
-    scales and offsets): smaller by the bits the narrow tiles leave out."""
+def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(name, kind, compact):
+    """Against the layout's own tiles of the same weight (`narrow=False`): the headers say which,
+    the narrow tiles leave out 8 - (4 + planes) bits a code, and the outputs are bit-identical
+    for rows of the packed kernel (1, 5), the many-rows path (9) and the widened tiles (40)."""
     if not ops.quant_linear_isa().startswith("avx512_vnni"):
         pytest.skip("tiles are the AVX-512 VNNI path's")
-    rows, cols = 64, 1024
+    rows, cols = 70, 768
     packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
-    q, scale, mn = (torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
+    q = torch.from_numpy(packed.q)
+    scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
     tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
-    wide_q = q.clone()
-    wide_q[0, 0] = 255
-    wide = ops.quant_tiles(wide_q, scale, mn, packed.code, packed.group)
-    assert int(tiles[4:8].view(torch.int32)) == kind and int(wide[4:8].view(torch.int32)) == 0  # headers
-    assert (wide.numel() - tiles.numel()) * 8 == rows * cols * (8 - code_bits)
+    plain = ops.quant_tiles(q, scale, mn, packed.code, packed.group, False)
+    header = tiles[:64].view(torch.int32)
+    assert (int(header[1]), int(header[2])) == (kind, compact)
+    assert int(plain[:64].view(torch.int32)[1]) == int(plain[:64].view(torch.int32)[2]) == 0
+    if kind == compact == 0:
+        assert torch.equal(tiles, plain)
+    elif not compact:
+        assert (plain.numel() - tiles.numel()) * 8 == 96 * cols * (8 - (3 + kind))  # 3 tiles of 32 rows
+    else:
+        assert tiles.numel() < plain.numel()
+    for n in (1, 5, 9, 40):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()
+        got = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, tiles)
+        assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
 
 
 @pytest.mark.slow  # ~20 s: 900 products of up to 4096 x 1536, with and without stored tiles

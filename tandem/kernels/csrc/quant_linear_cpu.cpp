@@ -43,6 +43,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -696,12 +697,32 @@ constexpr int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 inline int64_t plane_bytes(int bits, int group, int planes) {
   return round64(static_cast<int64_t>(packed_vectors(bits, group)) * kSubs * 16 * planes);
 }
-inline int64_t packed_group_bytes(int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0) {
-  return packed_vectors(bits, group) * kSubs * 64 + plane_bytes(bits, group, planes) +
-         (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
+//
+// Compact scales: where a 4-bit tile's float32 scales (and offsets) factor exactly, per row and
+// super-block of kSuperCols columns, into one float32 factor times an int8 per group (the
+// K-quants' d * sc and dmin * m, IQ4_XS's d * (ls - 32): found at load, `factor_block`), the tile
+// stores the super-blocks' factors once (kTileRows floats each, and as many for the offsets,
+// after the header) and per group the int8s (the scales', then the offsets', in one line): 0.75
+// bits a weight instead of 2. The kernel multiplies them back, which gives the float32 values
+// exactly (bit-identical results). The header says so (int32 at byte 8).
+constexpr int64_t kSuperCols = 256;
+inline int64_t scale_region_bytes(int64_t scale_bytes, bool with_mn, bool compact) {
+  return compact ? 64 : (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
 }
-inline int64_t packed_tile_bytes(int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0) {
-  return 64 + G * packed_group_bytes(bits, group, scale_bytes, with_mn, planes);
+inline int64_t packed_group_bytes(int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0,
+                                  bool compact = false) {
+  return packed_vectors(bits, group) * kSubs * 64 + plane_bytes(bits, group, planes) +
+         scale_region_bytes(scale_bytes, with_mn, compact);
+}
+// A compact tile's factors of one super-block (scales', then offsets' where with_mn), and of all.
+inline int64_t super_block_bytes(bool with_mn) { return (with_mn ? 2 : 1) * kTileRows * 4; }
+inline int64_t super_bytes(int64_t G, int group, bool with_mn, bool compact) {
+  return compact ? G * group / kSuperCols * super_block_bytes(with_mn) : 0;
+}
+inline int64_t packed_tile_bytes(int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn, int planes = 0,
+                                 bool compact = false) {
+  return 64 + super_bytes(G, group, with_mn, compact) +
+         G * packed_group_bytes(bits, group, scale_bytes, with_mn, planes, compact);
 }
 // The tile format of a weight of `bits` whose tiles are of kind `kind` (the header's): (bits of
 // the tile's vectors, planes).
@@ -714,15 +735,18 @@ inline std::pair<int, int> tile_format(int64_t bits, int32_t kind) {
 template <int PLANES>
 inline void add_planes(const uint8_t* p, __m512i& lo, __m512i& hi) {
   for (int k = 0; k < PLANES; ++k) {
-    uint64_t m[2];
-    std::memcpy(m, p + 16 * k, 16);
+    __mmask64* m = reinterpret_cast<__mmask64*>(const_cast<uint8_t*>(p) + 16 * k);
     const __m512i bit = _mm512_set1_epi8(static_cast<char>(0x10 << k));
-    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m[0]), lo, bit);
-    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m[1]), hi, bit);
+    lo = _mm512_mask_add_epi8(lo, _load_mask64(m), lo, bit);
+    hi = _mm512_mask_add_epi8(hi, _load_mask64(m + 1), hi, bit);
   }
 }
 
 inline __m512 load16_scales(const float* p) { return _mm512_loadu_ps(p); }
+// 16 int8 as floats (a compact tile's integers).
+inline __m512 int8_floats(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16_scales(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -732,20 +756,22 @@ inline __m512 load16_scales(const c10::Half* p) {
 // and odd dwords of 8-bit weights) keep two dependency chains, above one (the registers of 6
 // rows); a symmetric tile (sym = its offset c) starts them at -c * sum(qx) and adds no offset
 // term, as gemm_block does.
-template <int BITS, int GROUP, bool GRID, int PLANES, int NR, bool SYM, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, bool COMPACT, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
                 int64_t N, int64_t n, int rows, bool stream) {
   constexpr int kV = packed_vectors(BITS, GROUP);
   constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
-  const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn, PLANES);
+  constexpr int kSuper = kSuperCols / GROUP;  // groups per super-block (compact scales)
+  const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
   const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(BITS, GROUP, PLANES);
+  const uint8_t* groups = tile + 64 + super_bytes(G, GROUP, with_mn, COMPACT);
   const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   __m512 acc[NR][kSubs];
   for (int r = 0; r < NR; ++r)
     for (int s = 0; s < kSubs; ++s) acc[r][s] = _mm512_setzero_ps();
   const int8_t* qx = X.qx.data() + r0 * X.stride;
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* at = tile + 64 + g * group_bytes;
+    const uint8_t* at = groups + g * group_bytes;
     const __m512i* w = reinterpret_cast<const __m512i*>(at);
     const uint8_t* planes = at + kV * kSubs * 64;
     const S* ws = reinterpret_cast<const S*>(at + vector_bytes);
@@ -793,16 +819,23 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     if constexpr (kTwo)
       for (int r = 0; r < NR; ++r)
         for (int s = 0; s < kSubs; ++s) sum[r][s] = _mm512_add_epi32(sum[r][s], sum2[r][s]);
+    const float* factors = reinterpret_cast<const float*>(tile + 64 + g / kSuper * super_block_bytes(with_mn));
+    const int8_t* ints = reinterpret_cast<const int8_t*>(ws);
     for (int s = 0; s < kSubs; ++s) {
-      const __m512 sc = load16_scales(ws + 16 * s);
+      __m512 sc, mnv = _mm512_setzero_ps();
+      if constexpr (COMPACT) {
+        sc = _mm512_mul_ps(int8_floats(ints + 16 * s), _mm512_loadu_ps(factors + 16 * s));
+        if constexpr (!SYM) mnv = _mm512_mul_ps(int8_floats(ints + 32 + 16 * s), _mm512_loadu_ps(factors + 32 + 16 * s));
+      } else {
+        sc = load16_scales(ws + 16 * s);
+        if constexpr (!SYM)
+          mnv = load16_scales(reinterpret_cast<const S*>(reinterpret_cast<const uint8_t*>(ws) + kScaleBytes) + 16 * s);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         const __m512 dx = _mm512_set1_ps(X.d[(r0 + r) * X.blocks + GROUP * g / 32]);
         acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][s]), _mm512_mul_ps(sc, dx), acc[r][s]);
-        if constexpr (!SYM) {
-          const S* wmn = reinterpret_cast<const S*>(reinterpret_cast<const uint8_t*>(ws) + kScaleBytes);
-          acc[r][s] = _mm512_fmadd_ps(load16_scales(wmn + 16 * s), _mm512_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r][s]);
-        }
+        if constexpr (!SYM) acc[r][s] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r][s]);
       }
     }
   }
@@ -812,17 +845,18 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
 // A 4-bit packed tile (G groups) written out in the 8-bit layout: per group its vectors' low
 // nibbles as vectors 0-3 (x's columns 32g + 4v ..) and their high nibbles as vectors 4-7
 // (32g + 16 + 4v ..), the scales and offsets as they are, so that gemv_block<8> takes it.
-template <int GROUP, bool GRID, int PLANES, typename S>
+template <int GROUP, bool GRID, int PLANES, bool COMPACT, typename S>
 void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
   constexpr int kV = packed_vectors(4, GROUP);
-  const int64_t from = packed_group_bytes(4, GROUP, sizeof(S), with_mn, PLANES);
-  const int64_t to = packed_group_bytes(8, GROUP, sizeof(S), with_mn);
+  const int64_t from = packed_group_bytes(4, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
+  const int64_t to = packed_group_bytes(8, GROUP, sizeof(S), with_mn, 0, COMPACT);
   const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(4, GROUP, PLANES);
+  const int64_t head = 64 + super_bytes(G, GROUP, with_mn, COMPACT);  // header and factors, as they are
   const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
-  std::memcpy(out, tile, 64);
+  std::memcpy(out, tile, head);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* at = tile + 64 + g * from;
-    uint8_t* dst = out + 64 + g * to;
+    const uint8_t* at = tile + head + g * from;
+    uint8_t* dst = out + head + g * to;
     prefetch_bytes(at + kPrefetch, from);
     for (int v = 0; v < kV * kSubs; ++v) {
       const __m512i wv = _mm512_load_si512(at + 64 * v);
@@ -843,19 +877,19 @@ void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
 constexpr int64_t kWidenRows = 32;
 
 // Rows of x in blocks of `block` times one packed tile (weight rows [n, n + rows)).
-template <int BITS, int GROUP, bool GRID, int PLANES, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, bool COMPACT, typename T, typename S>
 void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, bool with_mn, int32_t sym,
                  const float* bias, T* y, int64_t N, int64_t n, int rows, bool stream) {
   auto blocks = [&](auto symmetric) {
     constexpr bool SYM = decltype(symmetric)::value;
     for (int64_t r0 = 0; r0 < R; r0 += block) {
       switch (std::min<int64_t>(block, R - r0)) {
-        case 1: gemv_block<BITS, GROUP, GRID, PLANES, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 2: gemv_block<BITS, GROUP, GRID, PLANES, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 3: gemv_block<BITS, GROUP, GRID, PLANES, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 4: gemv_block<BITS, GROUP, GRID, PLANES, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 5: gemv_block<BITS, GROUP, GRID, PLANES, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        default: gemv_block<BITS, GROUP, GRID, PLANES, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 1: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 2: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 3: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 4: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 5: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        default: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
       }
     }
   };
@@ -868,16 +902,16 @@ void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, 
 
 // Every row of x times packed tiles [t0, t1) of W (`packed`: its first packed tile), each tile
 // multiplied by every block of up to kGemvBlock (few rows) or kGemmBlock rows (from L1 / L2 after the first).
-template <int BITS, int GROUP, bool GRID, int PLANES, typename T, typename S>
+template <int BITS, int GROUP, bool GRID, int PLANES, bool COMPACT, typename T, typename S>
 void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, const float* bias, T* y, int64_t N,
                int64_t t0, int64_t t1) {
-  const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn, PLANES);
+  const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
   const int64_t block = R <= kGemvFewRows ? kGemvBlock : kGemmBlock;
   const bool widen = BITS == 4 && R >= kWidenRows;
   static thread_local std::vector<uint8_t> widened;
   uint8_t* copy = nullptr;
   if (widen) {
-    const int64_t room = packed_tile_bytes(X.G, 8, GROUP, sizeof(S), with_mn) + 64;
+    const int64_t room = packed_tile_bytes(X.G, 8, GROUP, sizeof(S), with_mn, 0, COMPACT) + 64;
     if (static_cast<int64_t>(widened.size()) < room) widened.resize(room);
     copy = widened.data() + (64 - reinterpret_cast<uintptr_t>(widened.data()) % 64) % 64;
   }
@@ -890,12 +924,12 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n));
     if constexpr (BITS == 4) {
       if (widen) {
-        widen_tile<GROUP, GRID, PLANES, S>(tile, X.G, with_mn, copy);
-        tile_blocks<8, GROUP, false, 0, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
+        widen_tile<GROUP, GRID, PLANES, COMPACT, S>(tile, X.G, with_mn, copy);
+        tile_blocks<8, GROUP, false, 0, COMPACT, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
         continue;
       }
     }
-    tile_blocks<BITS, GROUP, GRID, PLANES, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
+    tile_blocks<BITS, GROUP, GRID, PLANES, COMPACT, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
   }
 }
 
@@ -917,9 +951,9 @@ bool tiles_need_offsets(const S* scale, const S* mn, int64_t N, int64_t G) {
 
 // Bytes of W's stored tiles (quant_tiles): its packed tiles.
 inline int64_t stored_tiles_bytes(int64_t N, int64_t G, int bits, int group, int64_t scale_bytes, bool with_mn,
-                                  int planes = 0) {
+                                  int planes = 0, bool compact = false) {
   const int64_t count = (N + kTileRows - 1) / kTileRows;
-  return count * packed_tile_bytes(G, bits, group, scale_bytes, with_mn, planes);
+  return count * packed_tile_bytes(G, bits, group, scale_bytes, with_mn, planes, compact);
 }
 
 // A group's 8-bit vectors (kV8 x kSubs, as gemm_tile writes them) as a narrow tile's (above):
@@ -952,18 +986,74 @@ inline int32_t narrow_kind(const at::Tensor& q, int64_t bits) {
   return top < 16 ? 1 : top < 32 ? 2 : top < 64 ? 3 : 0;
 }
 
+// One row's values of a super-block (v[0 .. n)) as d * k[j] exactly in float32, k int8: the
+// factor of the largest magnitude tried as it divided by 1 .. 128 (either sign; the true one is
+// among them where the values are a float16 times small integers, as the K-quants' are).
+inline bool factor_block(const float* v, int n, float& d, int8_t* k) {
+  int top = 0;
+  for (int j = 0; j < n; ++j) {
+    if (!std::isfinite(v[j])) return false;
+    if (std::fabs(v[j]) > std::fabs(v[top])) top = j;
+  }
+  if (v[top] == 0.f) {
+    d = 0.f;
+    std::fill(k, k + n, 0);
+    return true;
+  }
+  for (int div = 1; div <= 128; ++div)
+    for (int sign = 1; sign >= -1; sign -= 2) {
+      const float cand = v[top] / static_cast<float>(sign * div);
+      bool ok = true;
+      for (int j = 0; j < n && ok; ++j) {
+        const float r = std::nearbyint(v[j] / cand);
+        ok = r >= -128.f && r <= 127.f && cand * r == v[j] && !(v[j] == 0.f && std::signbit(v[j]) != std::signbit(cand * r));
+        if (ok) k[j] = static_cast<int8_t>(r);
+      }
+      if (ok) {
+        d = cand;
+        return true;
+      }
+    }
+  return false;
+}
+
+// A [N, G] float32 array (scales or offsets) factored per row and super-block (`factor_block`):
+// d[n * B + b], k[n * G + g]; false where some block does not factor.
+struct Factors {
+  std::vector<float> d;
+  std::vector<int8_t> k;
+};
+inline bool factor_rows(const float* v, int64_t N, int64_t G, int64_t per_block, Factors& f) {
+  const int64_t B = G / per_block;
+  f.d.assign(N * B, 0.f);
+  f.k.assign(N * G, 0);
+  std::atomic<bool> ok{G % per_block == 0};
+  if (!ok) return false;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1 && ok; ++n)
+      for (int64_t b = 0; b < B && ok; ++b)
+        if (!factor_block(v + n * G + b * per_block, static_cast<int>(per_block), f.d[n * B + b],
+                          f.k.data() + n * G + b * per_block))
+          ok = false;
+  });
+  return ok;
+}
+
 // Every packed tile of W, one after another (tiles[t]: stored_tiles_bytes / tiles): its
-// symmetric offset and kind (KIND: 0, or 1 + planes for a narrow tile of an 8-bit W), then per
-// group its vectors (as gemm_tile writes them, moved in place, or narrowed) and its scales (and
-// offsets) back in S (exact: they came from S).
-template <int BITS, int GROUP, int KIND, typename S>
-void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles) {
+// symmetric offset, kind (KIND: 0, or 1 + planes for a narrow tile of an 8-bit W) and whether
+// its scales are compact (COMPACT: their factors `fs`, `fm` (the offsets', where with_mn) after
+// the header), then per group its vectors (as gemm_tile writes them, moved in place, or
+// narrowed) and its scales (and offsets): back in S (exact: they came from S), or their int8s.
+template <int BITS, int GROUP, int KIND, bool COMPACT, typename S>
+void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64_t N, bool with_mn, uint8_t* tiles,
+                 const Factors* fsc, const Factors* fmn) {
   constexpr int kPlanes = KIND == 0 ? 0 : KIND - 1, kTileBits = KIND == 0 ? BITS : 4;
   static_assert(KIND == 0 || BITS == 8, "narrow tiles are of 8-bit weights");
   const int64_t G = K / GROUP, row_bytes = BITS == 4 ? K / 2 : K, count = (N + kTileRows - 1) / kTileRows;
-  const int64_t stored_bytes = packed_tile_bytes(G, kTileBits, GROUP, sizeof(S), with_mn, kPlanes);
+  const int64_t stored_bytes = packed_tile_bytes(G, kTileBits, GROUP, sizeof(S), with_mn, kPlanes, COMPACT);
   constexpr int64_t kVectorBytes = packed_vectors(BITS, GROUP) * kSubs * 64;  // gemm_tile's, per group
-  const int64_t group_bytes = packed_group_bytes(kTileBits, GROUP, sizeof(S), with_mn, kPlanes);
+  const int64_t group_bytes = packed_group_bytes(kTileBits, GROUP, sizeof(S), with_mn, kPlanes, COMPACT);
+  const int64_t head = 64 + super_bytes(G, GROUP, with_mn, COMPACT), B = G * GROUP / kSuperCols;
   const int64_t stored_vector_bytes = packed_vectors(kTileBits, GROUP) * kSubs * 64 + plane_bytes(kTileBits, GROUP, kPlanes);
   at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> flat(kTileRows * ((G + 15) / 16 * 16)), fs(2 * kTileRows * G);
@@ -974,12 +1064,22 @@ void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64
       const int32_t sym = gemm_tile<BITS, GROUP, S, true>(q, scale, mn, row_bytes, G, kTileRows * t, rows,
                                                           vectors.data(), fs.data(), fs.data() + kTileRows * G,
                                                           flat.data(), 0);
-      const int32_t kind = KIND;
+      const int32_t kind = KIND, compact = COMPACT;
       std::memset(tile, 0, stored_bytes);
       std::memcpy(tile, &sym, sizeof(sym));
       std::memcpy(tile + 4, &kind, sizeof(kind));
+      std::memcpy(tile + 8, &compact, sizeof(compact));
+      const int64_t n0 = kTileRows * t;
+      if constexpr (COMPACT) {
+        for (int64_t b = 0; b < B; ++b)
+          for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
+            float* dst = reinterpret_cast<float*>(tile + 64 + b * super_block_bytes(with_mn)) + a * kTileRows;
+            const Factors& f = a == 0 ? *fsc : *fmn;
+            for (int i = 0; i < rows; ++i) dst[i] = f.d[(n0 + i) * B + b];
+          }
+      }
       for (int64_t g = 0; g < G; ++g) {
-        uint8_t* at = tile + 64 + g * group_bytes;
+        uint8_t* at = tile + head + g * group_bytes;
         const uint8_t* from = reinterpret_cast<const uint8_t*>(vectors.data()) + g * kVectorBytes;
         if constexpr (KIND == 0) {
           std::memcpy(at, from, kVectorBytes);
@@ -987,8 +1087,14 @@ void store_tiles(const uint8_t* q, const S* scale, const S* mn, int64_t K, int64
           narrow_vectors<GROUP, kPlanes>(reinterpret_cast<const __m512i*>(from), at);
         }
         for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
-          S* dst = reinterpret_cast<S*>(at + stored_vector_bytes + a * round64(kTileRows * sizeof(S)));
-          for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
+          if constexpr (COMPACT) {
+            int8_t* dst = reinterpret_cast<int8_t*>(at + stored_vector_bytes) + a * kTileRows;
+            const Factors& f = a == 0 ? *fsc : *fmn;
+            for (int i = 0; i < rows; ++i) dst[i] = f.k[(n0 + i) * G + g];
+          } else {
+            S* dst = reinterpret_cast<S*>(at + stored_vector_bytes + a * round64(kTileRows * sizeof(S)));
+            for (int i = 0; i < kTileRows; ++i) dst[i] = static_cast<S>(fs[a * kTileRows * G + kTileRows * g + i]);
+          }
         }
       }
     }
@@ -1305,8 +1411,8 @@ inline void by_layout(int64_t bits, int64_t group, bool grid, const F& f) {
 // rows in float32 and each group's sum; then every output row, split over threads.
 template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
-                       const uint8_t* tiles, bool tiles_mn, int32_t tiles_kind, const float* bias, int64_t bits,
-                       int64_t group, bool grid, bool int8_x, at::Tensor& y,
+                       const uint8_t* tiles, bool tiles_mn, int32_t tiles_kind, bool compact, const float* bias,
+                       int64_t bits, int64_t group, bool grid, bool int8_x, at::Tensor& y,
                        const tandem_cpu::Share& share) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
@@ -1327,17 +1433,28 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
           constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
           constexpr bool kGridded = decltype(c)::value;
           if (tiles) {
-            auto narrow = [&](auto planes) {  // a narrow tile of an 8-bit weight: nibbles and planes
-              gemv_rows<4, kGroup, false, decltype(planes)::value, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+            // 4-bit tiles (a narrow tile of an 8-bit weight: nibbles and planes), compact or not
+            auto nibbles = [&](auto grid_c, auto planes) {
+              constexpr bool kG = decltype(grid_c)::value;
+              constexpr int kP = decltype(planes)::value;
+              if constexpr (std::is_same_v<S, float>) {
+                if (compact) {
+                  gemv_rows<4, kGroup, kG, kP, true, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+                  return;
+                }
+              }
+              gemv_rows<4, kGroup, kG, kP, false, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
             };
             if (kBits == 8 && tiles_kind == 1) {
-              narrow(std::integral_constant<int, 0>{});
+              nibbles(std::false_type{}, std::integral_constant<int, 0>{});
             } else if (kBits == 8 && tiles_kind == 2) {
-              narrow(std::integral_constant<int, 1>{});
+              nibbles(std::false_type{}, std::integral_constant<int, 1>{});
             } else if (kBits == 8 && tiles_kind == 3) {
-              narrow(std::integral_constant<int, 2>{});
+              nibbles(std::false_type{}, std::integral_constant<int, 2>{});
+            } else if constexpr (kBits == 4) {
+              nibbles(std::integral_constant<bool, kGridded>{}, std::integral_constant<int, 0>{});
             } else {
-              gemv_rows<kBits, kGroup, kGridded, 0, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
+              gemv_rows<kBits, kGroup, kGridded, 0, false, T, S>(X, R, tiles, tiles_mn, bias, yp, N, t0, t1);
             }
           } else {
             gemm_rows<kBits, kGroup, kGridded, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
@@ -1419,8 +1536,11 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
 // Where this build multiplies rows by weight tiles (the AVX-512 VNNI path): W's packed tiles
 // (gemv_rows, for every row count; from kGemmRows rows the sums of the tiles gemm_rows
 // transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
-// quant_linear's `tiles`. Elsewhere an empty tensor.
-at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group) {
+// quant_linear's `tiles`: narrow tiles and compact scales where the weight allows them, unless
+// `narrow` is false (the layout's own tiles, for comparisons: the same outputs). Elsewhere an
+// empty tensor.
+at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group,
+                       bool narrow) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
   const int64_t bits = layout_bits("quant_tiles", code).first;  // a grid's tiles hold its codes as they are
   const int64_t K = bits == 4 ? 2 * q.size(1) : q.size(1), N = q.size(0);
@@ -1429,16 +1549,34 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   at::Tensor tiles;
   auto run = [&](auto s) {
     using S = decltype(s);
-    const bool with_mn = tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, K / group);
-    const int32_t kind = narrow_kind(q, bits);
-    const auto [tile_bits, planes] = tile_format(bits, kind);
-    tiles = at::empty({stored_tiles_bytes(N, K / group, tile_bits, group, sizeof(S), with_mn, planes)}, q.options());
+    const int64_t G = K / group;
+    const bool with_mn = tiles_need_offsets(scale.data_ptr<S>(), mn.data_ptr<S>(), N, G);
+    const int32_t kind = narrow ? narrow_kind(q, bits) : 0;
+    const std::pair<int, int> format = tile_format(bits, kind);
+    // float32 scales of a 4-bit tile: compact where they factor (`factor_rows`)
+    Factors fsc, fmn;
+    bool compact = false;
+    if constexpr (std::is_same_v<S, float>) {
+      compact = narrow && format.first == 4 && factor_rows(scale.data_ptr<float>(), N, G, kSuperCols / group, fsc) &&
+                (!with_mn || factor_rows(mn.data_ptr<float>(), N, G, kSuperCols / group, fmn));
+    }
+    tiles = at::empty({stored_tiles_bytes(N, G, format.first, group, sizeof(S), with_mn, format.second, compact)},
+                      q.options());
     TORCH_CHECK(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0, "quant_tiles: unaligned allocation");
     by_layout(bits, group, false, [&](auto b, auto g, auto) {
       constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
       auto store = [&](auto k) {
-        store_tiles<kBits, kGroup, decltype(k)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(), mn.data_ptr<S>(),
-                                                          K, N, with_mn, tiles.data_ptr<uint8_t>());
+        constexpr int kKind = decltype(k)::value;
+        auto put = [&](auto c) {
+          store_tiles<kBits, kGroup, kKind, decltype(c)::value, S>(q.data_ptr<uint8_t>(), scale.data_ptr<S>(),
+                                                                    mn.data_ptr<S>(), K, N, with_mn,
+                                                                    tiles.data_ptr<uint8_t>(), &fsc, &fmn);
+        };
+        if (compact && (kBits == 4 || kKind > 0)) {
+          put(std::true_type{});
+        } else {
+          put(std::false_type{});
+        }
       };
       if constexpr (kBits == 8) {
         switch (kind) {
@@ -1491,17 +1629,24 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint8_t* tiles_p = nullptr;
   bool tiles_mn = false;  // the packed tiles hold offsets (told by their size: tiles_need_offsets)
   int32_t tiles_kind = 0;  // their kind (the first tile's header: narrow tiles of an 8-bit weight)
+  int32_t compact = 0;     // and whether their scales are compact (float32 scales of 4-bit tiles)
   if (tiles.has_value() && tiles->numel() > 0) {
 #ifdef TANDEM_QUANT_VNNI
     const int64_t G = K / group, sb = scale.element_size();
     const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
                           tiles->numel() >= 64;
-    if (bytes_ok) std::memcpy(&tiles_kind, tiles->data_ptr<uint8_t>() + 4, sizeof(tiles_kind));
-    const bool kind_ok = tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3);
-    const auto [tile_bits, planes] = tile_format(bits, kind_ok ? tiles_kind : 0);
-    tiles_mn = tiles->numel() == stored_tiles_bytes(N, G, tile_bits, group, sb, true, planes);
+    if (bytes_ok) {
+      std::memcpy(&tiles_kind, tiles->data_ptr<uint8_t>() + 4, sizeof(tiles_kind));
+      std::memcpy(&compact, tiles->data_ptr<uint8_t>() + 8, sizeof(compact));
+    }
+    const bool kind_ok = (tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3)) &&
+                         (compact == 0 || (compact == 1 && sb == 4 && (bits == 4 || tiles_kind > 0)));
+    const std::pair<int, int> format = tile_format(bits, kind_ok ? tiles_kind : 0);
+    const bool c = kind_ok && compact == 1;
+    tiles_mn = tiles->numel() == stored_tiles_bytes(N, G, format.first, group, sb, true, format.second, c);
     TORCH_CHECK(bytes_ok && kind_ok &&
-                    (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, tile_bits, group, sb, false, planes)) &&
+                    (tiles_mn || tiles->numel() == stored_tiles_bytes(N, G, format.first, group, sb, false,
+                                                                      format.second, c)) &&
                     reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
@@ -1513,11 +1658,11 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half_scales) {
-      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, bias_p, bits, group, grid, int8_x,
-                                      y, share);
+      quant_linear_impl<T, c10::Half>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, false, bias_p, bits, group, grid,
+                                      int8_x, y, share);
     } else {
-      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, bias_p, bits, group, grid, int8_x, y,
-                                  share);
+      quant_linear_impl<T, float>(x, q, scale, mn, tiles_p, tiles_mn, tiles_kind, compact == 1, bias_p, bits, group,
+                                  grid, int8_x, y, share);
     }
   };
   switch (x.scalar_type()) {
@@ -1576,7 +1721,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
       "quant_linear(Tensor x, Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? bias=None, "
       "bool int8_x=False, Tensor? tiles=None) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, &tandem_cpu::quant_linear);
-  m.def("quant_tiles(Tensor q, Tensor scale, Tensor mn, int bits, int group) -> Tensor");
+  m.def("quant_tiles(Tensor q, Tensor scale, Tensor mn, int bits, int group, bool narrow=True) -> Tensor");
   m.impl("quant_tiles", c10::DispatchKey::CPU, &tandem_cpu::quant_tiles);
   m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
   m.def("quant_decode_bytes(Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? tiles) -> int",

@@ -18,7 +18,9 @@ Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows, an I
 grid-coded rows and Q5_K ones) are widened to the 8-bit layout to share one matrix; so is the
 grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's (`takes_grid`). On the
 AVX-512 VNNI build, the stored tiles of an 8-bit weight whose codes lie below 16, 32 or 64 (Q2_K,
-Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles").
+Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles"),
+and float32 scales that factor per 256 columns into a float32 and int8s (the K-quants', IQ4_XS's)
+take 0.75 bits a weight instead of 2 ("compact scales"); both exact.
 Where a part has no layout (F16, BF16, F32, a type without one), a tensor-parallel column
 slice does not fall on group boundaries, the rows do not cover the whole weight, the weight
 is not on the CPU or the C++ kernels are unavailable, the layer keeps only the dense kernel.
