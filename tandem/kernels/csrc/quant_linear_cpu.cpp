@@ -692,7 +692,7 @@ void gemm_rows(const RowsX& X, int64_t R, const uint8_t* q, const S* scale, cons
 // group's vectors its PLANES (0-2) bit planes: per vector, for plane k, a 64-bit mask of the low
 // nibbles' bit 4 + k, then one of the high nibbles'. 5 or 6 bits a weight instead of 8 (4 for
 // Q2_K / Q3_K), the same codes, the same integer sums: bit-identical results. A tile's header
-// says which (int32 at byte 4, `TileKind`): 0 the layout's own tile, 1 + PLANES a narrow one.
+// says which (int32 at byte 4, its kind): 0 the layout's own tile, 1 + PLANES a narrow one.
 constexpr int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 inline int64_t plane_bytes(int bits, int group, int planes) {
   return round64(static_cast<int64_t>(packed_vectors(bits, group)) * kSubs * 16 * planes);
@@ -842,9 +842,10 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
   store_tile_sums<NR, T>(acc, bias, y, N, n, rows, r0);
 }
 
-// A 4-bit packed tile (G groups) written out in the 8-bit layout: per group its vectors' low
-// nibbles as vectors 0-3 (x's columns 32g + 4v ..) and their high nibbles as vectors 4-7
-// (32g + 16 + 4v ..), the scales and offsets as they are, so that gemv_block<8> takes it.
+// A 4-bit packed tile (G groups; grid codes looked up, a narrow tile's planes added back) written
+// out in the 8-bit layout: per group its vectors' low nibbles as the first half of the 8-bit
+// vectors (x's columns GROUP * g + 4v ..) and their high nibbles as the second, the header, a
+// compact tile's factors and the scales and offsets as they are, so that gemv_block<8> takes it.
 template <int GROUP, bool GRID, int PLANES, bool COMPACT, typename S>
 void widen_tile(const uint8_t* tile, int64_t G, bool with_mn, uint8_t* out) {
   constexpr int kV = packed_vectors(4, GROUP);
@@ -1041,7 +1042,7 @@ inline bool factor_rows(const float* v, int64_t N, int64_t G, int64_t per_block,
 
 // Every packed tile of W, one after another (tiles[t]: stored_tiles_bytes / tiles): its
 // symmetric offset, kind (KIND: 0, or 1 + planes for a narrow tile of an 8-bit W) and whether
-// its scales are compact (COMPACT: their factors `fs`, `fm` (the offsets', where with_mn) after
+// its scales are compact (COMPACT: their factors `fsc`, `fmn` (the offsets', where with_mn) after
 // the header), then per group its vectors (as gemm_tile writes them, moved in place, or
 // narrowed) and its scales (and offsets): back in S (exact: they came from S), or their int8s.
 template <int BITS, int GROUP, int KIND, bool COMPACT, typename S>
@@ -1572,7 +1573,7 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
                                                                     mn.data_ptr<S>(), K, N, with_mn,
                                                                     tiles.data_ptr<uint8_t>(), &fsc, &fmn);
         };
-        if (compact && (kBits == 4 || kKind > 0)) {
+        if (compact) {  // (only 4-bit tiles are made compact)
           put(std::true_type{});
         } else {
           put(std::false_type{});
