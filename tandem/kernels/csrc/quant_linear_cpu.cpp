@@ -793,8 +793,12 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
       for (int s = 0; s < kSubs; ++s) {
         const __m512i wv = _mm512_load_si512(w + v * kSubs + s);
         if constexpr (BITS == 4) {
+          // Plain codes in two chains: the high nibbles meet x in place (16 times their codes),
+          // their sums shifted down once a group (exact: every product is a multiple of 16).
+          constexpr bool kHigh16 = kTwo && !GRID && PLANES == 0;
           __m512i lo = code_bytes<GRID>(_mm512_and_si512(wv, low4), grid);
-          __m512i hi = code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
+          __m512i hi = kHigh16 ? _mm512_andnot_si512(low4, wv)
+                               : code_bytes<GRID>(_mm512_and_si512(_mm512_srli_epi16(wv, 4), low4), grid);
           add_planes<PLANES>(planes + (v * kSubs + s) * 16 * PLANES, lo, hi);
 #pragma GCC unroll 8
           for (int r = 0; r < NR; ++r) {
@@ -818,7 +822,9 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     }
     if constexpr (kTwo)
       for (int r = 0; r < NR; ++r)
-        for (int s = 0; s < kSubs; ++s) sum[r][s] = _mm512_add_epi32(sum[r][s], sum2[r][s]);
+        for (int s = 0; s < kSubs; ++s)
+          sum[r][s] = _mm512_add_epi32(sum[r][s], BITS == 4 && !GRID && PLANES == 0 ? _mm512_srai_epi32(sum2[r][s], 4)
+                                                                                    : sum2[r][s]);
     const float* factors = reinterpret_cast<const float*>(tile + 64 + g / kSuper * super_block_bytes(with_mn));
     const int8_t* ints = reinterpret_cast<const int8_t*>(ws);
     for (int s = 0; s < kSubs; ++s) {
