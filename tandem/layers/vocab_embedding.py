@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import LinearBase
 from tandem.layers.quantization.gguf_linear import is_gguf_tensor
 from tandem.layers.quantization.gguf_repack import Packed, repack
@@ -65,6 +66,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self._loaded: CheckpointTensor | None = None  # the checkpoint tensor, until finish_loading
         self.packed: Packed | None = None  # the shard's GGUF blocks, when they replace the table
+        self._packed_tensors: tuple[torch.Tensor, ...] = ()  # its q, scale and mn as tensors (shared)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id=None) -> None:
         self.shard.load(param, loaded)
@@ -87,13 +89,19 @@ class VocabParallelEmbedding(nn.Module):
         packed = repack(blocks, loaded.qtype, (real, loaded.shape[1]))
         if packed is not None:
             self.packed = packed
+            self._packed_tensors = tuple(torch.from_numpy(a) for a in (packed.q, packed.scale, packed.mn))
             self.weight.data = torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.embedding(ids, self.weight)
-        p, rows = self.packed, ids.reshape(-1).numpy()
-        values = p.take_rows(rows).dequantize()
+        p, flat = self.packed, ids.reshape(-1)
+        ops = cpu_kernels.load()
+        if ops is not None:  # the same values, one C++ call (numpy's ~10 calls: ~0.1 ms a decode step)
+            q, scale, mn = self._packed_tensors
+            values = ops.quant_rows(q, scale, mn, p.code, p.group, flat.long(), self.weight.dtype)
+            return values.view(*ids.shape, -1)
+        values = p.take_rows(flat.numpy()).dequantize()
         return torch.from_numpy(values).view(*ids.shape, -1).to(self.weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

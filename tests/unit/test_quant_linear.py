@@ -328,12 +328,18 @@ def test_scales_are_float16_where_that_is_exact(name, half):
     torch.testing.assert_close(layer.forward(x), x @ dense.T, atol=2e-6 * (x @ dense.T).abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tp_rank", [None, 1])
-def test_embedding_rows_from_blocks_equal_the_dense_table(name, dtype, tp_rank):
+@pytest.mark.parametrize("kernels", [True, False], ids=["quant_rows", "numpy"])
+def test_embedding_rows_from_blocks_equal_the_dense_table(name, dtype, tp_rank, kernels, monkeypatch):
     """An embedding that keeps its GGUF blocks (untied) frees the dense table and looks up the
-    same values (under TP, rank 1 of 2: its shard's rows; the all-reduce needs a group)."""
+    same values (under TP, rank 1 of 2: its shard's rows; the all-reduce needs a group), by the
+    C++ `quant_rows` or, without the kernels, numpy."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("the C++ CPU kernels are not built here")
     loaded = gguf_weight(name, 40, 256, seed=3)
     emb = VocabParallelEmbedding(40, 256) if tp_rank is None else VocabParallelEmbedding(40, 256, tp_rank, 2)
     emb.weight.data = emb.weight.data.to(dtype)

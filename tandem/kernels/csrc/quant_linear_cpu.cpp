@@ -1690,6 +1690,46 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return y;
 }
 
+// Rows `ids` of W (float32 scales and offsets) dequantized as gguf_repack.Packed.dequantize
+// does (scale * q + mn, two float32 roundings), then rounded to `dtype`: an embedding lookup
+// from the quantized table.
+at::Tensor quant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group,
+                      const at::Tensor& ids, at::ScalarType dtype) {
+  const auto [bits, grid] = layout_bits("quant_rows", code);
+  const int64_t K = q.dim() == 2 ? q.size(1) * (bits == 4 ? 2 : 1) : 0;
+  check_weight("quant_rows", K, q, scale, mn, bits, group);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "quant_rows: scale and mn must be float32");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids must be int64 [n]");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t n = rows.size(0), N = q.size(0), G = K / group;
+  at::Tensor out = at::empty({n, K}, q.options().dtype(at::kFloat));
+  const int64_t* id = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= id[i] && id[i] < N, "quant_rows: id ", id[i], " out of range [0, ", N, ")");
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint8_t* qr = q.data_ptr<uint8_t>() + id[i] * q.size(1);
+      const float* sr = scale.data_ptr<float>() + id[i] * G;
+      const float* mr = mn.data_ptr<float>() + id[i] * G;
+      float* o = out.data_ptr<float>() + i * K;
+      for (int64_t k = 0; k < K; ++k) {
+        int v;
+        if (bits == 8) {
+          v = qr[k];
+        } else {  // the 4-bit layout: byte 16g + j holds column 32g + j (low nibble) and 32g + 16 + j (high)
+          const int64_t j = k % 32;
+          const uint8_t byte = qr[16 * (k / 32) + j % 16];
+          v = j < 16 ? byte & 0x0F : byte >> 4;
+          if (grid) v = kGridValues[v];
+        }
+        const float w = sr[k / group] * static_cast<float>(v);
+        o[k] = w + mr[k / group];
+      }
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
 // Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for a few
 // bfloat16 / float16 rows: the packed tiles where it has them (the AVX-512 VNNI build), else the
 // row layout's q, scales and offsets.
@@ -1730,6 +1770,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.impl("quant_linear", c10::DispatchKey::CPU, &tandem_cpu::quant_linear);
   m.def("quant_tiles(Tensor q, Tensor scale, Tensor mn, int bits, int group, bool narrow=True) -> Tensor");
   m.impl("quant_tiles", c10::DispatchKey::CPU, &tandem_cpu::quant_tiles);
+  m.def("quant_rows(Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor ids, ScalarType dtype) -> Tensor");
+  m.impl("quant_rows", c10::DispatchKey::CPU, &tandem_cpu::quant_rows);
   m.def("quant_linear_isa() -> str", &tandem_cpu::quant_linear_isa);
   m.def("quant_decode_bytes(Tensor q, Tensor scale, Tensor mn, int bits, int group, Tensor? tiles) -> int",
         &tandem_cpu::quant_decode_bytes);
