@@ -621,10 +621,21 @@ void gemm_block(const RowsX& X, int64_t r0, const __m512i* w, const float* ws, c
   store_tile_sums<NR, T>(acc, bias, y, N, n, rows, r0);
 }
 
+// ONCE: bytes read once (a tile that one block of rows reads): asked for as non-temporal, so
+// that the weight stream does not push out of the caches what the step reads again (the KV,
+// the activations, a compact tile's factors, the interpreter's own data). Zen 4, batch 1,
+// `kernel_ab.py` against temporal prefetches: a Q4_K_M file of true K-quants 0.91-0.95 of the
+// step (batch 4 0.90), the default model's Q8_0 0.95-0.96, Q4_0 / Q4_1 0.98-1.01; tiles that
+// several row blocks read again stay temporal (batch 16 1.01 when they did not).
+template <bool ONCE = false>
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, ONCE ? _MM_HINT_NTA : _MM_HINT_T0);
 }
+
+// How gemv_block asks for its tile's bytes ahead: not at all (a widened copy, in cache), as
+// data read again, or as data read once.
+enum class Fetch { kNone, kAgain, kOnce };
 
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
 // transposed here (gemm_tile) and multiplied by every row block of x. (A weight whose tiles were
@@ -758,13 +769,25 @@ inline __m512 load16_scales(const c10::Half* p) {
 // term, as gemm_block does.
 template <int BITS, int GROUP, bool GRID, int PLANES, bool COMPACT, int NR, bool SYM, typename T, typename S>
 void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, int32_t sym, const float* bias, T* y,
-                int64_t N, int64_t n, int rows, bool stream) {
+                int64_t N, int64_t n, int rows, Fetch fetch) {
   constexpr int kV = packed_vectors(BITS, GROUP);
   constexpr int64_t kScaleBytes = round64(kTileRows * sizeof(S));
   constexpr int kSuper = kSuperCols / GROUP;  // groups per super-block (compact scales)
   const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
   const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(BITS, GROUP, PLANES);
   const uint8_t* groups = tile + 64 + super_bytes(G, GROUP, with_mn, COMPACT);
+  // A compact tile's factors, read once a super-block: copied first where the tile's lines are
+  // asked for as non-temporal (by the next super-block they would be gone from the caches).
+  const uint8_t* held = tile + 64;
+  if constexpr (COMPACT) {
+    if (fetch == Fetch::kOnce) {
+      static thread_local std::vector<uint8_t> copy;
+      const int64_t bytes = super_bytes(G, GROUP, with_mn, true);
+      if (static_cast<int64_t>(copy.size()) < bytes) copy.resize(bytes);
+      std::memcpy(copy.data(), held, bytes);
+      held = copy.data();
+    }
+  }
   const __m512i low4 = _mm512_set1_epi8(0x0F), grid = grid_vector();
   __m512 acc[NR][kSubs];
   for (int r = 0; r < NR; ++r)
@@ -776,7 +799,11 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
     const uint8_t* planes = at + kV * kSubs * 64;
     const S* ws = reinterpret_cast<const S*>(at + vector_bytes);
     // the stream kPrefetch bytes ahead, a line for each line read (none in a widened copy)
-    if (stream) prefetch_bytes(at + kPrefetch, group_bytes);
+    if (fetch == Fetch::kOnce) {
+      prefetch_bytes<true>(at + kPrefetch, group_bytes);
+    } else if (fetch == Fetch::kAgain) {
+      prefetch_bytes(at + kPrefetch, group_bytes);
+    }
     // (4 rows with one chain took 1.05x the time, 6 with two spilled)
     constexpr bool kTwo = NR <= 4;
     __m512i sum[NR][kSubs], sum2[kTwo ? NR : 1][kSubs];
@@ -825,7 +852,7 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
         for (int s = 0; s < kSubs; ++s)
           sum[r][s] = _mm512_add_epi32(sum[r][s], BITS == 4 && !GRID && PLANES == 0 ? _mm512_srai_epi32(sum2[r][s], 4)
                                                                                     : sum2[r][s]);
-    const float* factors = reinterpret_cast<const float*>(tile + 64 + g / kSuper * super_block_bytes(with_mn));
+    const float* factors = reinterpret_cast<const float*>(held + g / kSuper * super_block_bytes(with_mn));
     const int8_t* ints = reinterpret_cast<const int8_t*>(ws);
     for (int s = 0; s < kSubs; ++s) {
       __m512 sc, mnv = _mm512_setzero_ps();
@@ -886,17 +913,17 @@ constexpr int64_t kWidenRows = 32;
 // Rows of x in blocks of `block` times one packed tile (weight rows [n, n + rows)).
 template <int BITS, int GROUP, bool GRID, int PLANES, bool COMPACT, typename T, typename S>
 void tile_blocks(const RowsX& X, int64_t R, int64_t block, const uint8_t* tile, bool with_mn, int32_t sym,
-                 const float* bias, T* y, int64_t N, int64_t n, int rows, bool stream) {
+                 const float* bias, T* y, int64_t N, int64_t n, int rows, Fetch fetch) {
   auto blocks = [&](auto symmetric) {
     constexpr bool SYM = decltype(symmetric)::value;
     for (int64_t r0 = 0; r0 < R; r0 += block) {
       switch (std::min<int64_t>(block, R - r0)) {
-        case 1: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 2: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 3: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 4: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        case 5: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
-        default: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, stream); break;
+        case 1: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 1, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
+        case 2: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 2, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
+        case 3: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 3, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
+        case 4: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 4, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
+        case 5: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, 5, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
+        default: gemv_block<BITS, GROUP, GRID, PLANES, COMPACT, kGemvBlock, SYM, T, S>(X, r0, tile, with_mn, sym, bias, y, N, n, rows, fetch); break;
       }
     }
   };
@@ -915,6 +942,7 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
   const int64_t bytes = packed_tile_bytes(X.G, BITS, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
   const int64_t block = R <= kGemvFewRows ? kGemvBlock : kGemmBlock;
   const bool widen = BITS == 4 && R >= kWidenRows;
+  const Fetch fetch = R <= block ? Fetch::kOnce : Fetch::kAgain;  // one row block reads each tile once
   static thread_local std::vector<uint8_t> widened;
   uint8_t* copy = nullptr;
   if (widen) {
@@ -932,11 +960,11 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
     if constexpr (BITS == 4) {
       if (widen) {
         widen_tile<GROUP, GRID, PLANES, COMPACT, S>(tile, X.G, with_mn, copy);
-        tile_blocks<8, GROUP, false, 0, COMPACT, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, false);
+        tile_blocks<8, GROUP, false, 0, COMPACT, T, S>(X, R, block, copy, with_mn, sym, bias, y, N, n, rows, Fetch::kNone);
         continue;
       }
     }
-    tile_blocks<BITS, GROUP, GRID, PLANES, COMPACT, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, true);
+    tile_blocks<BITS, GROUP, GRID, PLANES, COMPACT, T, S>(X, R, block, tile, with_mn, sym, bias, y, N, n, rows, fetch);
   }
 }
 
