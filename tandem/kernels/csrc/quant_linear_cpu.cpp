@@ -1734,26 +1734,25 @@ at::Tensor quant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Te
   const int64_t* id = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(0 <= id[i] && id[i] < N, "quant_rows: id ", id[i], " out of range [0, ", N, ")");
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const uint8_t* qr = q.data_ptr<uint8_t>() + id[i] * q.size(1);
-      const float* sr = scale.data_ptr<float>() + id[i] * G;
-      const float* mr = mn.data_ptr<float>() + id[i] * G;
-      float* o = out.data_ptr<float>() + i * K;
-      for (int64_t k = 0; k < K; ++k) {
-        int v;
-        if (bits == 8) {
-          v = qr[k];
-        } else {  // the 4-bit layout: byte 16g + j holds column 32g + j (low nibble) and 32g + 16 + j (high)
-          const int64_t j = k % 32;
-          const uint8_t byte = qr[16 * (k / 32) + j % 16];
-          v = j < 16 ? byte & 0x0F : byte >> 4;
-          if (grid) v = kGridValues[v];
+  by_layout(bits, group, grid, [&](auto b, auto g, auto c) {  // the float path's group_weights, plus mn
+    constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+    constexpr int64_t kGroupBytes = kBits == 4 ? kGroup / 2 : kGroup;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint8_t* qr = q.data_ptr<uint8_t>() + id[i] * q.size(1);
+        const float* sr = scale.data_ptr<float>() + id[i] * G;
+        const float* mr = mn.data_ptr<float>() + id[i] * G;
+        float* o = out.data_ptr<float>() + i * K;
+        for (int64_t k = 0; k < G; ++k) {
+          vec16 w[2];
+          group_weights<kBits, kGroup, decltype(c)::value>(qr + k * kGroupBytes, sr[k], w);
+          for (int part = 0; part < kGroup / 16; ++part) {
+            const vec16 v = w[part] + mr[k];
+            std::memcpy(o + k * kGroup + 16 * part, &v, sizeof(v));
+          }
         }
-        const float w = sr[k / group] * static_cast<float>(v);
-        o[k] = w + mr[k / group];
       }
-    }
+    });
   });
   return dtype == at::kFloat ? out : out.to(dtype);
 }
