@@ -3,7 +3,7 @@
 Usage::
 
     python -m tandem.tools.make_tiny_model --arch llama|qwen2|qwen3 --out DIR \\
-        [--preset tiny|tiny-mqa|gguf|7m|100m] [--seed 0]
+        [--preset tiny|tiny-mqa|gguf|7m|100m|wide] [--seed 0]
 
 or :func:`make_tiny_model` from Python. The directory holds:
 
@@ -42,7 +42,8 @@ Special-token ids are the same for every arch: 0 ``<unk>``, 1 ``<s>`` (BOS),
 (llama), 1531 (qwen2 and qwen3, where the corpus runs out of merges); every
 preset uses the same tokenizer. Presets (hidden/intermediate/layers/heads/kv
 heads, head_dim = hidden/heads): tiny 64/172/3/4/2 (~0.3M params), tiny-mqa
-64/172/3/4/1, gguf 512/768/2/4/2, 7m 256/768/8/8/4, 100m 768/2816/12/12/4.
+64/172/3/4/1, gguf 512/768/2/4/2, 7m 256/768/8/8/4, 100m 768/2816/12/12/4,
+wide 1024/4096/2/8/4 (~34M).
 
 The ``gguf`` preset (~5M params) is for GGUF files: every dimension of every
 2-D weight is a multiple of 256, so every GGUF block type (32-element blocks
@@ -115,6 +116,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "100m": Preset(
         hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4
+    ),
+    # Two layers whose gate/up, down and q/k/v weights hold 2 MB or more in Q8_0: the size from
+    # which a decode step's threads take a weight's tiles in chunks (the C++ kernels' Share).
+    "wide": Preset(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4
     ),
 }
 

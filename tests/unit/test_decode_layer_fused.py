@@ -3,7 +3,8 @@ of every layer is quantized), or as one C++ call each (`tandem_cpu.decode_layer`
 same step through the Python layer op by op: the same tokens and bit-identical logits, in
 float32 and bfloat16, for a Llama and a Qwen2 (QKV bias) GGUF model, batches of 1 and 3 (and 9
 where the rows are int8), on one thread and on two (where the layers run in one OpenMP region,
-each kernel's work shared by the threads); batches above QUANT_MAX_ROWS and layers with an
+each kernel's work shared by the threads; weights of 2 MB or more taken in chunks, the threads
+taking each other's last ones); batches above QUANT_MAX_ROWS and layers with an
 unquantized linear take the Python layer (a model with one such layer runs its other layers one
 call each); an error inside the region reaches the caller as an exception."""
 
@@ -115,6 +116,30 @@ def test_fused_decode_layers_equal_the_python_layers(gguf_files, arch, dtype, th
         assert ids == layer_ids == ref_ids
         for got, by_layer, ref in zip(logits, layer_logits, ref_logits):
             assert torch.equal(got, ref) and torch.equal(by_layer, ref)
+
+
+@pytest.fixture(scope="module")
+def wide_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide")
+    return write_gguf(make_tiny_model(root / "llama", arch="llama", preset="wide"), root / "wide.gguf", "Q8_0")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_weights_of_2_mb_taken_in_chunks_equal_the_python_layers(wide_file, dtype, threads):
+    """Weights of 2 MB or more (the `wide` preset's gate/up, down and q/k/v in Q8_0): the
+    region's threads take their tiles in chunks and, their own done, each other's last ones
+    (which thread computes an output differs from call to call; the output does not)."""
+    runner = make_runner(wide_file, dtype=dtype)
+    layers = runner.model.model.layers
+    sizes = [m.quant_kernel.q.numel() for m in (layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)]
+    assert min(sizes) >= 2 << 20
+    for prompts in (PROMPTS[:1], PROMPTS):
+        (ids, logits), stack_calls = run(runner, prompts, "stack")
+        (ref_ids, ref_logits), _ = run(runner, prompts, "python")
+        assert stack_calls == {"stack": STEPS, "layers": 0}
+        assert ids == ref_ids
+        for got, ref in zip(logits, ref_logits):
+            assert torch.equal(got, ref)
 
 
 def test_large_batches_and_unquantized_layers_take_the_python_layer(gguf_files):

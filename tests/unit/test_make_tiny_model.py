@@ -157,7 +157,8 @@ def test_whole_directory_is_deterministic(model_dirs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("preset", "low", "high"), [("tiny", 0.1e6, 1e6), ("gguf", 3e6, 7e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6)]
+    ("preset", "low", "high"),
+    [("tiny", 0.1e6, 1e6), ("gguf", 3e6, 7e6), ("7m", 5e6, 9e6), ("100m", 80e6, 120e6), ("wide", 25e6, 45e6)],
 )
 @pytest.mark.parametrize("arch", ARCHS)
 def test_preset_sizes(preset, low, high, arch):

@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -117,6 +118,8 @@ std::tuple<at::Tensor, at::Tensor> run_layers(const at::Tensor& hidden, const c1
       {tandem_cpu::decode_attention_partial_floats(n, step.num_heads, first.k_cache, step.seq_lens,
                                                    Share{0, threads, threads > 1})},
       opts.dtype(at::kFloat));
+  // The linears' shares as taken (Share::taken): per layer and linear, one slot per thread.
+  std::unique_ptr<tandem_cpu::Taken[]> taken(new tandem_cpu::Taken[layers.size() * 4 * threads]);
   // Every layer's phases: phase(work) runs work on this thread, then waits for the others.
   auto each_layer = [&](const Share& share, auto&& phase) {
     // This thread's rows (the row-wise phases), and with fewer rows than threads its columns
@@ -139,6 +142,11 @@ std::tuple<at::Tensor, at::Tensor> run_layers(const at::Tensor& hidden, const c1
     const bool norm_rows = n >= share.threads ? rows > 0 : share.tid == 0;
     for (size_t l = 0; l < layers.size(); ++l) {
       const Layer& layer = layers[l];
+      auto linear = [&](int i) {
+        Share s = share;
+        if (share.team) s.taken = taken.get() + (4 * l + i) * share.threads;
+        return s;
+      };
       // The layer's input (the first: the caller's, which receives hidden + residual in place
       // as the fused norm does) and the residual added to it.
       at::Tensor x = l == 0 ? hidden : out;
@@ -146,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> run_layers(const at::Tensor& hidden, const c1
       phase([&] {
         if (norm_rows) tandem_cpu::rms_norm_rows_into(x, res, layer.input_norm, step.eps, h, r0, r1);
       });
-      phase([&] { layer.qkv.into(h, qkv, share); });
+      phase([&] { layer.qkv.into(h, qkv, linear(0)); });
       phase([&] {  // each thread rotates and writes its share of the rows
         if (!norm_rows || rows == 0) return;
         tandem_cpu::rotary_embedding(qk, cos_sin);
@@ -161,15 +169,15 @@ std::tuple<at::Tensor, at::Tensor> run_layers(const at::Tensor& hidden, const c1
                                           step.seq_lens, step.scale, 0, 0.0, attn, share,
                                           partial.numel() > 0 ? partial.data_ptr<float>() : nullptr);
       });
-      phase([&] { layer.o.into(attn.view({n, q_size}), o, share); });
+      phase([&] { layer.o.into(attn.view({n, q_size}), o, linear(1)); });
       phase([&] {
         if (norm_rows) tandem_cpu::rms_norm_rows_into(o, &x, layer.post_norm, step.eps, h2, r0, r1);
       });
-      phase([&] { layer.gate_up.into(h2, gu, share); });
+      phase([&] { layer.gate_up.into(h2, gu, linear(2)); });
       phase([&] {
         if (rows > 0 && c1 > c0) tandem_cpu::silu_and_mul_part(gu, act, r0, r1, c0, c1);
       });
-      phase([&] { layer.down.into(act, out, share); });
+      phase([&] { layer.down.into(act, out, linear(3)); });
     }
   };
   if (threads == 1) {  // no region

@@ -6,8 +6,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
 namespace tandem_cpu {
 
@@ -15,23 +17,74 @@ namespace tandem_cpu {
 // thread costs more than it saves.
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
+// A team thread's share of one kernel's range, as taken so far: (from its front << 32) | (from
+// its back); zero before the kernel. One cache line each, so that taking from one's own front
+// does not contend with the others' fronts.
+struct alignas(64) Taken {
+  std::atomic<uint64_t> v{0};
+};
+
 // Where a kernel's range of work runs: split over PyTorch's threads by at::parallel_for (the
 // default), or, for a kernel called by every thread of one OpenMP region (decode_layers: one
 // region for a whole decode step instead of a fork and join per kernel), this thread's
-// contiguous share of the range.
+// contiguous share of the range; with `taken` (one per thread of the team, zero) each thread
+// takes its share from the front a chunk at a time and, its own done, the others' last
+// chunks from their backs: a thread slowed (another process on its core, a slower stream)
+// no longer keeps the others waiting at the barrier. Only for work whose every item's result
+// does not depend on which thread computes it (a quantized linear's output columns).
 struct Share {
   int tid = 0, threads = 1;
   bool team = false;
+  Taken* taken = nullptr;
 
+  // `unit`: the items taken together at least (where an item alone is too small to take).
   template <typename F>
-  void run(int64_t n, int64_t grain, const F& f) const {
+  void run(int64_t n, int64_t grain, const F& f, int64_t unit = 1) const {
     if (!team) {
       at::parallel_for(0, n, grain, f);
       return;
     }
     const int64_t per = (n + threads - 1) / threads;
-    const int64_t begin = std::min<int64_t>(n, tid * per), end = std::min<int64_t>(n, begin + per);
-    if (begin < end) f(begin, end);
+    auto bounds = [&](int t) {
+      const int64_t begin = std::min<int64_t>(n, t * per);
+      return std::pair<int64_t, int64_t>{begin, std::min<int64_t>(n, begin + per)};
+    };
+    const auto [begin, end] = bounds(tid);
+    if (taken == nullptr) {
+      if (begin < end) f(begin, end);
+      return;
+    }
+    // own share from the front (chunks of half of what is left, at least a unit), then
+    // the others' from their backs, a unit at a time
+    while (take(taken[tid], begin, end, true, unit, f)) {
+    }
+    for (int o = 1; o < threads; ++o) {
+      const int t = (tid + o) % threads;
+      const auto [b, e] = bounds(t);
+      while (take(taken[t], b, e, false, unit, f)) {
+      }
+    }
+  }
+
+ private:
+  template <typename F>
+  static bool take(Taken& slot, int64_t begin, int64_t end, bool front, int64_t unit, const F& f) {
+    uint64_t v = slot.v.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t from_front = static_cast<int64_t>(v >> 32), from_back = static_cast<int64_t>(v & 0xffffffffu);
+      const int64_t left = end - begin - from_front - from_back;
+      if (left <= 0) return false;
+      const int64_t count = std::min(left, front ? std::max(unit, left / 2 / unit * unit) : unit);
+      const uint64_t next = front ? v + (static_cast<uint64_t>(count) << 32) : v + static_cast<uint64_t>(count);
+      if (slot.v.compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+        if (front) {
+          f(begin + from_front, begin + from_front + count);
+        } else {
+          f(end - from_back - count, end - from_back);
+        }
+        return true;
+      }
+    }
   }
 };
 

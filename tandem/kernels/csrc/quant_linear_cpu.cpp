@@ -1441,6 +1441,15 @@ inline void by_layout(int64_t bits, int64_t group, bool grid, const F& f) {
   }
 }
 
+// The items of a kernel's range (output rows or tiles; `bytes`: the weight's, over all `items`)
+// that a team's thread takes at least at a time (Share::run): ~32 KB of weights, a multiple of
+// `multiple`, below which taking them costs more than the balance it buys.
+inline int64_t steal_unit(int64_t items, int64_t bytes, int64_t multiple) {
+  const int64_t per = std::max<int64_t>(1, bytes / std::max<int64_t>(items, 1));
+  const int64_t unit = std::max<int64_t>(1, (int64_t{32} << 10) / per);
+  return (unit + multiple - 1) / multiple * multiple;
+}
+
 // bfloat16 / float16 rows, and float32 rows with int8_x, through an int8 path where the CPU has
 // one; otherwise (float32 rows without int8_x, whose results equal dequantize-then-matmul) x's
 // rows in float32 and each group's sum; then every output row, split over threads.
@@ -1448,7 +1457,7 @@ template <typename T, typename S>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn,
                        const uint8_t* tiles, bool tiles_mn, int32_t tiles_kind, bool compact, const float* bias,
                        int64_t bits, int64_t group, bool grid, bool int8_x, at::Tensor& y,
-                       const tandem_cpu::Share& share) {
+                       const tandem_cpu::Share& team) {
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0), G = K / group;
   const T* xp = x.data_ptr<T>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -1457,6 +1466,10 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   T* yp = y.data_ptr<T>();
   // Output rows per task: ~64 KB of weights, below which a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(bits == 4 ? K / 2 : K, 1));
+  // A team takes a weight of 2 MB or more in chunks, and the others' last ones (Share::taken);
+  // less, each thread its fixed share (taking chunks cost more than the balance bought).
+  Share share = team;
+  if (q.numel() < (int64_t{2} << 20)) share.taken = nullptr;
 #ifdef TANDEM_QUANT_VNNI
   if (!std::is_same_v<T, float> || int8_x) {
     if (tiles || R >= kGemmRows) {  // by tiles of 32 weight rows: stored packed ones (any rows), or transposed here
@@ -1495,7 +1508,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             gemm_rows<kBits, kGroup, kGridded, T, S>(X, R, qp, sp, mp, bias, yp, K, N, t0, t1);
           }
         });
-      });
+      }, steal_unit(count, q.numel(), 1));
       return;
     }
     const QuantizedX X = quantize_x(xp, x.stride(0), R, K, bits, group);
@@ -1504,7 +1517,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
         vnni_rows<decltype(b)::value, decltype(g)::value, decltype(c)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N,
                                                                                     n0, n1);
       });
-    });
+    }, steal_unit(N, q.numel(), kTileRows));
     return;
   }
 #elif defined(TANDEM_QUANT_AVX2)
@@ -1515,7 +1528,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       by_layout(bits, group, false, [&](auto b, auto g, auto) {
         avx2_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, qp, sp, mp, bias, yp, K, N, n0, n1);
       });
-    });
+    }, steal_unit(N, q.numel(), 32));
     return;
   }
 #endif
@@ -1536,7 +1549,7 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     by_layout(bits, group, grid, [&](auto b, auto g, auto c) {
       quant_rows<decltype(b)::value, decltype(g)::value, decltype(c)::value, T, S>(xf.data(), xsum.data(), qp, sp, mp, bias, yp, R, K, N, n0, n1);
     });
-  });
+  }, steal_unit(N, q.numel(), 32));
 }
 
 }  // namespace
