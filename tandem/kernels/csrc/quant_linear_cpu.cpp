@@ -778,8 +778,9 @@ void gemv_block(const RowsX& X, int64_t r0, const uint8_t* tile, bool with_mn, i
   const int64_t G = X.G, group_bytes = packed_group_bytes(BITS, GROUP, sizeof(S), with_mn, PLANES, COMPACT);
   const int64_t vector_bytes = kV * kSubs * 64 + plane_bytes(BITS, GROUP, PLANES);
   const uint8_t* groups = tile + 64 + super_bytes(G, GROUP, with_mn, COMPACT);
-  // A compact tile's factors, read once a super-block: copied first where the tile's lines are
-  // asked for as non-temporal (by the next super-block they would be gone from the caches).
+  // A compact tile's factors, read once a super-block: copied first where the tile is read once
+  // (asked for as non-temporal, by the next super-block they would be gone from the caches; by
+  // the hardware prefetchers alone, reading back to the tile's head would break their stream).
   const uint8_t* held = tile + 64;
   if constexpr (COMPACT) {
     if (fetch == Fetch::kOnce || fetch == Fetch::kStream) {
