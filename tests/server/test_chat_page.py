@@ -34,6 +34,9 @@ API_KEY = "page-secret"
 # in many chunks and a long one runs for minutes unless aborted.
 FORWARD_SLEEP_S = 0.03
 TIMEOUT_MS = 20_000
+# expect()'s own default is 5 s, not the context's: under `make test`'s load (two test processes
+# on two cores) the key form took longer than that to hide once the right key was given.
+expect.set_options(timeout=TIMEOUT_MS)
 STATUS = re.compile(r"^\d+ running · \d+ queued · \d+\.\d tok/s$")
 ANSWER_DONE = re.compile(r"^\d+ tokens · .* · (stop|length)$")
 
