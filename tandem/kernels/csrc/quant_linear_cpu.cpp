@@ -633,10 +633,9 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, ONCE ? _MM_HINT_NTA : _MM_HINT_T0);
 }
 
-// How gemv_block asks for its tile's bytes ahead: not at all (a widened copy, in cache), as
-// data read again, as data read once, or not at all from a stream read once (kStream: the
-// hardware prefetchers alone).
-enum class Fetch { kNone, kAgain, kOnce, kStream };
+// How gemv_block asks for its tile's bytes ahead: not at all (a widened copy, in cache; or a
+// stream the hardware prefetchers alone read faster), as data read again, or as data read once.
+enum class Fetch { kNone, kAgain, kOnce };
 
 // Every row of x times weight rows [kTileRows * t0, min(N, kTileRows * t1)): one tile at a time,
 // transposed here (gemm_tile) and multiplied by every row block of x. (A weight whose tiles were
@@ -952,7 +951,7 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
   // 0.97-0.98, a 100M model of true K-quants 0.95-0.99, a 1B one 0.84-0.97 of the step; at
   // 2 and 4 rows no order held: 0.97-1.08); 8-bit tiles (Q8_0 1.03-1.08 without) and more
   // rows are asked for: as read once where one row block reads each tile once.
-  const Fetch fetch = BITS == 4 && R == 1 ? Fetch::kStream : R <= block ? Fetch::kOnce : Fetch::kAgain;
+  const Fetch fetch = BITS == 4 && R == 1 ? Fetch::kNone : R <= block ? Fetch::kOnce : Fetch::kAgain;
   static thread_local std::vector<uint8_t> widened;
   uint8_t* copy = nullptr;
   if (widen) {
