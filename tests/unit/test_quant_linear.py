@@ -86,19 +86,21 @@ def test_extreme_bytes(kernel):
 # below 16 (Q3_K), 32 (Q5_0) and 64 (Q6_K)
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q5_0", "Q3_K"])
 def test_stored_tiles_give_the_same_outputs(name):
-    """Where the build has the tiled paths (AVX-512 VNNI), `quant_tiles` stores the weight's
-    packed tiles of 32 rows, which serve every row count: from 8 rows the many-rows path's sums
-    in its order (bit-identical with and without them, on a partial last tile), below the row
-    kernel's integer products summed in another order (within float32 rounding of its sums).
-    Tiles of another weight are refused. Elsewhere quant_tiles gives an empty tensor, which the
-    kernel ignores."""
+    """Where the build has the tiled paths (AVX-512 VNNI: packed tiles of 32 rows; AVX2: tiles of
+    8 rows), `quant_tiles` stores the weight's tiles, which serve every row count. AVX-512 VNNI:
+    from 8 rows the many-rows path's sums in its order (bit-identical with and without them, on
+    a partial last tile), below the row kernel's integer products summed in another order
+    (within float32 rounding of its sums); AVX2: the row kernel's integer sums, the float sums in
+    another order, at every row count. Tiles of another weight are refused. Without AVX2
+    quant_tiles gives an empty tensor, which the kernel ignores."""
     rows, cols = 75, 512
     packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
-    vnni = ops.quant_linear_isa().startswith("avx512_vnni")
+    isa = ops.quant_linear_isa()
+    vnni, tiled_build = isa.startswith("avx512_vnni"), not isa.startswith("float,")
     for scales in (torch.float32, torch.float16):
         q, scale, mn = torch.from_numpy(packed.q), *(torch.from_numpy(a).to(scales) for a in (packed.scale, packed.mn))
         tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
-        if not vnni:
+        if not tiled_build:
             assert tiles.numel() == 0
         else:
             assert tiles.dim() == 1 and tiles.numel() > 0 and tiles.dtype == torch.uint8
@@ -106,7 +108,7 @@ def test_stored_tiles_give_the_same_outputs(name):
             x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
             plain = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.code, packed.group, None, False)
             tiled = ops.quant_linear(x.bfloat16(), q, scale, mn, packed.code, packed.group, None, False, tiles)
-            if not vnni or n >= 8:
+            if not tiled_build or (vnni and n >= 8):
                 assert torch.equal(tiled, plain)
             else:  # float32 sums compared: the bfloat16 outputs are these rounded once
                 plain32 = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, True)

@@ -19,7 +19,7 @@
 #include "vec.h"
 
 #include <cmath>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cstdint>
@@ -92,6 +92,32 @@ struct DecodeTask {
             acc[(h * G + g) * nc + 2 * c] = __builtin_shuffle(a[g][2 * c], a[g][2 * c + 1], lo);
             acc[(h * G + g) * nc + 2 * c + 1] = __builtin_shuffle(a[g][2 * c], a[g][2 * c + 1], hi);
           }
+      }
+      return;
+    }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (G > 0 && C > 0 && std::is_same_v<T, float>) {
+      // AVX2, float32 values: a vec16 is two registers there, and GCC spilled a[G][C] below and
+      // broadcast each p through 16 scalar stores. Here each pass takes 16 of the head's dims (two
+      // registers) for the G queries, in registers; the same sums in the same order.
+      for (int64_t h = 0; h < kv_count; ++h) {
+        const float* p = scores + h * G * max_len;
+        for (int c = 0; c < C; ++c) {
+          __m256 a[G][2];
+          for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+          for (int64_t t = 0; t < len; ++t) {
+            if (h == 0 && c == 0 && t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
+            const float* vrow = v + slots[t] * v_stride_s + h * stride_h + 16 * c;
+            const __m256 lo = _mm256_loadu_ps(vrow), hi = _mm256_loadu_ps(vrow + 8);
+            for (int g = 0; g < G; ++g) {
+              const __m256 pg = _mm256_broadcast_ss(p + g * max_len + t);
+              a[g][0] = _mm256_fmadd_ps(pg, lo, a[g][0]);
+              a[g][1] = _mm256_fmadd_ps(pg, hi, a[g][1]);
+            }
+          }
+          for (int g = 0; g < G; ++g) acc[(h * G + g) * nc + c] = joined(a[g][0], a[g][1]);
+        }
       }
       return;
     }

@@ -190,6 +190,77 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
   }
 }
 
+// One row of x (K columns) rounded to int8 per block of 32 columns (each int8 path's own: qx
+// past K zero, d[b] = max|x| / 127, the same bytes on every path).
+template <typename T>
+inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock);
+
+// gsum[g] = d * sum(qx) over each weight group g of one rounded row.
+inline void group_sums(const int8_t* qx, const float* dblock, int64_t G, int64_t group, float* gsum) {
+  for (int64_t g = 0; g < G; ++g) {
+    int sum = 0;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+    gsum[g] = dblock[g * group / 32] * static_cast<float>(sum);
+  }
+}
+
+// Rows of x rounded to int8 (quantize_row), kept in column order: qx[r * stride + k],
+// d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g, isum[r * G + g] =
+// that sum(qx) itself.
+struct RowsX {
+  int64_t stride = 0, blocks = 0, G = 0;
+  std::vector<int8_t> qx;
+  std::vector<float> d, gsum;
+  std::vector<int32_t> isum;
+};
+
+template <typename T>
+RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t group) {
+  RowsX X;
+  X.blocks = (K + 31) / 32;
+  X.stride = 32 * X.blocks;
+  X.G = K / group;
+  X.qx.assign(R * X.stride, 0);
+  X.d.assign(R * X.blocks, 0.f);
+  X.gsum.assign(R * X.G, 0.f);
+  X.isum.assign(R * X.G, 0);
+  // Rows split over PyTorch's threads (prefill's many rows; inside decode_layers' region, where
+  // every thread needs all rows, at::parallel_for runs them on the calling thread).
+  at::parallel_for(0, R, tandem_cpu::row_grain(K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* qx = X.qx.data() + r * X.stride;
+      float* d = X.d.data() + r * X.blocks;
+      quantize_row(x + r * stride, K, qx, d);
+      group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
+      for (int64_t g = 0; g < X.G; ++g) {
+        int sum = 0;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
+        X.isum[r * X.G + g] = sum;
+      }
+    }
+  });
+  return X;
+}
+
+// c where every offset of a tile is -c times its scale (mn = -c * scale: the weights are
+// scale * (q - c), as Q4_0's q - 8 and the 8-bit layout's Q8_0 q - 128), an integer in [0, 255];
+// else -1. Such a tile's integer sums take -c * sum(qx) (exact) instead of a float term.
+inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count) {
+  float c = -1.f;
+  for (int64_t i = 0; i < count; ++i) {
+    if (ws[i] == 0.f) {
+      if (wmn[i] != 0.f) return -1;
+      continue;
+    }
+    if (c < 0.f) {
+      c = -wmn[i] / ws[i];
+      if (!(c >= 0.f && c <= 255.f) || c != std::nearbyint(c)) return -1;
+    }
+    if (-c * ws[i] != wmn[i]) return -1;
+  }
+  return c < 0.f ? 0 : static_cast<int32_t>(c);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------------------
 // bfloat16 / float16 rows: int8 activations and VNNI integer dot products (llama.cpp's recipe).
@@ -232,15 +303,6 @@ inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + 32 * b + 16 * p), q8);
     }
     dblock[b] = d;
-  }
-}
-
-// gsum[g] = d * sum(qx) over each weight group g of one rounded row.
-inline void group_sums(const int8_t* qx, const float* dblock, int64_t G, int64_t group, float* gsum) {
-  for (int64_t g = 0; g < G; ++g) {
-    int sum = 0;
-    for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-    gsum[g] = dblock[g * group / 32] * static_cast<float>(sum);
   }
 }
 
@@ -416,63 +478,6 @@ constexpr int64_t kGemvFewRows = 8;
 constexpr int kSubs = kTileRows / 16;  // vectors of 16 outputs per tile
 // Vectors per group and 16 outputs of a packed tile (gemv_rows): the group's bytes, 4 per lane.
 constexpr int packed_vectors(int bits, int group) { return (bits == 4 ? group / 2 : group) / 4; }
-
-// Rows of x rounded to int8 as quantize_x rounds them, kept in column order: qx[r * stride + k],
-// d[r * blocks + k / 32], gsum[r * G + g] = d * sum(qx) over weight group g, isum[r * G + g] =
-// that sum(qx) itself.
-struct RowsX {
-  int64_t stride = 0, blocks = 0, G = 0;
-  std::vector<int8_t> qx;
-  std::vector<float> d, gsum;
-  std::vector<int32_t> isum;
-};
-
-template <typename T>
-RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t group) {
-  RowsX X;
-  X.blocks = (K + 31) / 32;
-  X.stride = 32 * X.blocks;
-  X.G = K / group;
-  X.qx.assign(R * X.stride, 0);
-  X.d.assign(R * X.blocks, 0.f);
-  X.gsum.assign(R * X.G, 0.f);
-  X.isum.assign(R * X.G, 0);
-  // Rows split over PyTorch's threads (prefill's many rows; inside decode_layers' region, where
-  // every thread needs all rows, at::parallel_for runs them on the calling thread).
-  at::parallel_for(0, R, tandem_cpu::row_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      int8_t* qx = X.qx.data() + r * X.stride;
-      float* d = X.d.data() + r * X.blocks;
-      quantize_row(x + r * stride, K, qx, d);
-      group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
-      for (int64_t g = 0; g < X.G; ++g) {
-        int sum = 0;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-        X.isum[r * X.G + g] = sum;
-      }
-    }
-  });
-  return X;
-}
-
-// c where every offset of a tile is -c times its scale (mn = -c * scale: the weights are
-// scale * (q - c), as Q4_0's q - 8 and the 8-bit layout's Q8_0 q - 128), an integer in [0, 255];
-// else -1. Such a tile's integer sums take -c * sum(qx) (exact) instead of a float term.
-inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count) {
-  float c = -1.f;
-  for (int64_t i = 0; i < count; ++i) {
-    if (ws[i] == 0.f) {
-      if (wmn[i] != 0.f) return -1;
-      continue;
-    }
-    if (c < 0.f) {
-      c = -wmn[i] / ws[i];
-      if (!(c >= 0.f && c <= 255.f) || c != std::nearbyint(c)) return -1;
-    }
-    if (-c * ws[i] != wmn[i]) return -1;
-  }
-  return c < 0.f ? 0 : static_cast<int32_t>(c);
-}
 
 // Weight rows [n, n + rows) (rows <= kTileRows; the lanes past them zero) transposed (and the `ahead`
 // bytes after them prefetched): vector
@@ -1203,6 +1208,19 @@ inline float avx2_quantize_block(const __m256 v[4], int8_t* out) {
 }
 
 template <typename T>
+inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock) {
+  for (int64_t b = 0; 32 * b < K; ++b) {
+    const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
+    __m256 v[4];
+    for (int p = 0; p < 2; ++p) {
+      const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
+      std::memcpy(&v[2 * p], &f, sizeof(f));
+    }
+    dblock[b] = avx2_quantize_block(v, qx + 32 * b);
+  }
+}
+
+template <typename T>
 Avx2X avx2_quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t bits, int64_t group) {
   Avx2X X;
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
@@ -1221,20 +1239,8 @@ Avx2X avx2_quantize_x(const T* x, int64_t stride, int64_t R, int64_t K, int64_t 
     const T* row = x + r * stride;
     std::fill(qx.begin(), qx.end(), 0);
     std::fill(dblock.begin(), dblock.end(), 0.f);
-    for (int64_t b = 0; 32 * b < K; ++b) {
-      const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
-      __m256 v[4];
-      for (int p = 0; p < 2; ++p) {
-        const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
-        std::memcpy(&v[2 * p], &f, sizeof(f));
-      }
-      dblock[b] = avx2_quantize_block(v, qx.data() + 32 * b);
-    }
-    for (int64_t g = 0; g < X.G; ++g) {
-      int sum = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-      X.gsum[r * X.G + g] = dblock[g * group / 32] * static_cast<float>(sum);
-    }
+    quantize_row(row, K, qx.data(), dblock.data());
+    group_sums(qx.data(), dblock.data(), X.G, group, X.gsum.data() + r * X.G);
     int8_t* lo = X.lo.data() + r * X.stride;
     float* d = X.d.data() + r * lanes;
     if (bits == 4) {  // group g: bytes 16g .. 16g + 15 (lanes 4g .. 4g + 3), columns 32g + j and 32g + 16 + j
@@ -1292,14 +1298,6 @@ inline void avx2_operands(__m256i w, __m256i& a, __m256i& b) {
   } else {
     a = b = w;
   }
-}
-
-// The sums of 8 vectors' lanes: out[j] = sum of v[j]'s 8 lanes (one transpose-and-add instead
-// of a horizontal sum per vector).
-inline __m256 avx2_lane_sums8(const __m256 v[8]) {
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
 inline __m256 avx2_load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1394,7 +1392,7 @@ __attribute__((always_inline)) inline void avx2_row(const Avx2X& X, int64_t r0, 
 }
 
 // Rows [r0, r0 + NR) of the quantized x times weight rows [n0, n1): y[r * N + n], the lanes of 8
-// weight rows at a time summed by one transpose-and-add (avx2_lane_sums8).
+// weight rows at a time summed by one transpose-and-add (lane_sums8).
 template <int BITS, int GROUP, int NR, typename T, typename S>
 void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, const S* mn, const float* bias,
                 T* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
@@ -1406,7 +1404,7 @@ void avx2_block(const Avx2X& X, int64_t r0, const uint8_t* q, const S* scale, co
     for (int r = 0; r < NR; ++r) {
       for (int j = 0; j < 8; ++j) by_row[j] = j < rows ? lanes[j][r] : _mm256_setzero_ps();
       alignas(32) float sums[8];
-      _mm256_store_ps(sums, avx2_lane_sums8(by_row));
+      _mm256_store_ps(sums, lane_sums8(by_row));
       for (int j = 0; j < rows; ++j) y[(r0 + r) * N + n + j] = static_cast<T>(sums[j] + (bias ? bias[n + j] : 0.f));
     }
   }
@@ -1425,6 +1423,158 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
         default: avx2_block<BITS, GROUP, 4, T, S>(X, r0, q, scale, mn, bias, y, K, N, t0, t1); break;
       }
     }
+  }
+}
+// ----------------------------------------------------------------------------------------------
+// The AVX2 build's stored tiles (quant_tiles): W's rows in tiles of kAvx2TileRows (8), each tile
+// per group of GROUP columns its vectors, then the group's 8 scales and, where W has offsets that
+// are not -c * scale, its 8 offsets (in S). Vector v of a group holds bytes 4v .. 4v + 3 of each
+// of the tile's rows' group bytes, row i in int32 lane i, so that every lane is one output: a
+// group's integer sums need no horizontal sums, and its float work (one conversion, the scales
+// times x's d, one or two FMAs) is done once for 8 outputs. The row kernel above does that work
+// per 32 bytes and output, and sums 8 lanes per output.
+// - 4-bit: the row's 16 bytes of the group, low nibbles columns 4v .. 4v + 3, high nibbles 16 +
+//   4v ..: 8 VPMADDUBSW a group (codes <= 15, qx within +-127), summed in int16 (|sum| <= 8 * 2 *
+//   15 * 127 = 30480) and widened to int32 once a group.
+// - 8-bit: w - 128 by the sign trick (above), every vector's pairs widened to int32 (they reach
+//   32512), 128 * sum(qx) of the group added back once.
+// A W whose every offset is -c * its scale for one integer c (symmetric_offset: Q4_0, Q8_0) keeps
+// no offsets; its groups' integer sums take c * sum(qx) off instead. The integer sums are those of
+// the row kernel: the results differ from it in the float summation order only.
+// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S).
+constexpr int64_t kAvx2TileRows = 8;
+inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn) {
+  return (bits == 4 ? group / 2 : group) * kAvx2TileRows + (with_mn ? 2 : 1) * kAvx2TileRows * scale_bytes;
+}
+inline int64_t avx2_tiles_bytes(int64_t N, int64_t G, int64_t bits, int64_t group, int64_t scale_bytes,
+                                bool with_mn) {
+  return 64 + (N + kAvx2TileRows - 1) / kAvx2TileRows * G * avx2_group_bytes(bits, group, scale_bytes, with_mn);
+}
+
+template <typename S>
+at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, int64_t K, int64_t bits,
+                            int64_t group) {
+  const int64_t N = q.size(0), G = K / group, row_bytes = q.size(1), group_q = bits == 4 ? group / 2 : group;
+  std::vector<float> ws(N * G), wmn(N * G);
+  for (int64_t i = 0; i < N * G; ++i) {
+    ws[i] = to_float(scale[i]);
+    wmn[i] = to_float(mn[i]);
+  }
+  const int32_t c = symmetric_offset(ws.data(), wmn.data(), N * G);
+  const bool with_mn = c < 0;
+  const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn);
+  at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn)}, q.options());
+  uint8_t* out = tiles.data_ptr<uint8_t>();
+  const int32_t header[4] = {c, static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S))};
+  std::memcpy(out, header, sizeof(header));
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  at::parallel_for(0, (N + kAvx2TileRows - 1) / kAvx2TileRows, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* at = out + 64 + (t * G + g) * group_bytes;
+        S* s = reinterpret_cast<S*>(at + group_q * kAvx2TileRows);
+        for (int64_t i = 0; i < kAvx2TileRows && kAvx2TileRows * t + i < N; ++i) {
+          const int64_t n = kAvx2TileRows * t + i;
+          for (int64_t v = 0; v < group_q / 4; ++v) std::memcpy(at + 32 * v + 4 * i, qp + n * row_bytes + group_q * g + 4 * v, 4);
+          s[i] = scale[n * G + g];
+          if (with_mn) s[kAvx2TileRows + i] = mn[n * G + g];
+        }
+      }
+  });
+  return tiles;
+}
+
+inline __m256i avx2_bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i].
+template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
+void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c, const float* bias, T* y,
+                     int64_t N, int64_t n, int rows) {
+  constexpr int kV = (BITS == 4 ? GROUP / 2 : GROUP) * kAvx2TileRows / 32;  // vectors a group
+  const int64_t G = X.G, group_bytes = avx2_group_bytes(BITS, GROUP, sizeof(S), !SYM);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* at = tile + g * group_bytes;
+    __m256i sum[NR];
+    if constexpr (BITS == 4) {
+      __m256i s16[NR];
+      for (int r = 0; r < NR; ++r) s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int v = 0; v < kV; ++v) {
+        const __m256i w = avx2_load(at + 32 * v);
+        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xr = X.qx.data() + (r0 + r) * X.stride + GROUP * g + 4 * v;
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, avx2_bcast4(xr)),
+                                                             _mm256_maddubs_epi16(hi, avx2_bcast4(xr + GROUP / 2))));
+        }
+      }
+      for (int r = 0; r < NR; ++r) sum[r] = _mm256_madd_epi16(s16[r], ones);
+    } else {
+      for (int r = 0; r < NR; ++r) sum[r] = _mm256_set1_epi32(128 * X.isum[(r0 + r) * G + g]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kV; ++v) {
+        const __m256i a = _mm256_xor_si256(avx2_load(at + 32 * v), flip), b = _mm256_abs_epi8(a);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i xv = avx2_bcast4(X.qx.data() + (r0 + r) * X.stride + GROUP * g + 4 * v);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(b, _mm256_sign_epi8(xv, a)), ones));
+        }
+      }
+    }
+    const S* ws = reinterpret_cast<const S*>(at + kV * 32);
+    const __m256 sc = avx2_load8(ws);
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = r0 + r;
+      if constexpr (SYM) sum[r] = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(c * X.isum[row * G + g]));
+      const __m256 dx = _mm256_set1_ps(X.d[row * X.blocks + GROUP * g / 32]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(sc, dx), acc[r]);
+    }
+    if constexpr (!SYM) {
+      const __m256 m = avx2_load8(ws + kAvx2TileRows);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    alignas(32) float out[kAvx2TileRows];
+    _mm256_store_ps(out, acc[r]);
+    for (int i = 0; i < rows; ++i) y[(r0 + r) * N + n + i] = static_cast<T>(out[i] + (bias ? bias[n + i] : 0.f));
+  }
+}
+
+// Every row of x times tiles [t0, t1) of W's stored tiles (`tiles`: their header), each tile by
+// every block of up to kRowBlock rows (from L1 after the first).
+template <int BITS, int GROUP, typename T, typename S>
+void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float* bias, T* y, int64_t N, int64_t t0,
+                    int64_t t1) {
+  int32_t c;
+  std::memcpy(&c, tiles, sizeof(c));
+  const int64_t bytes = X.G * avx2_group_bytes(BITS, GROUP, sizeof(S), c < 0);
+  auto blocks = [&](auto symmetric) {
+    constexpr bool SYM = decltype(symmetric)::value;
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = tiles + 64 + t * bytes;
+      const int64_t n = kAvx2TileRows * t;
+      const int rows = static_cast<int>(std::min<int64_t>(kAvx2TileRows, N - n));
+      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+        switch (std::min<int64_t>(kRowBlock, R - r0)) {
+          case 1: avx2_tile_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 2: avx2_tile_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 3: avx2_tile_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          default: avx2_tile_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+        }
+      }
+    }
+  };
+  if (c >= 0) {
+    blocks(std::true_type{});
+  } else {
+    blocks(std::false_type{});
   }
 }
 #ifdef __AVXVNNI__
@@ -1533,6 +1683,16 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #elif defined(TANDEM_QUANT_AVX2)
   if (!std::is_same_v<T, float> || int8_x) {
     TORCH_CHECK(!grid, "quant_linear: the AVX2 build takes no grid layout (widen it to bits 8)");
+    if (tiles) {
+      const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
+      const int64_t count = (N + kAvx2TileRows - 1) / kAvx2TileRows;
+      share.run(count, std::max<int64_t>(1, grain / kAvx2TileRows), [&](int64_t t0, int64_t t1) {
+        by_layout(bits, group, false, [&](auto b, auto g, auto) {
+          avx2_tile_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, tiles, bias, yp, N, t0, t1);
+        });
+      }, steal_unit(count, q.numel(), 4));
+      return;
+    }
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
       by_layout(bits, group, false, [&](auto b, auto g, auto) {
@@ -1654,6 +1814,11 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
     run(float{});
   }
   return tiles;
+#elif defined(TANDEM_QUANT_AVX2)
+  if (layout_bits("quant_tiles", code).second) return at::empty({0}, q.options());  // the grid is widened first
+  if (scale.scalar_type() == at::kHalf)
+    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group);
+  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group);
 #else
   return at::empty({0}, q.options());
 #endif
@@ -1707,6 +1872,15 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                                                                       format.second, c)) &&
                     reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
+    tiles_p = tiles->data_ptr<uint8_t>();
+#elif defined(TANDEM_QUANT_AVX2)
+    int32_t header[4] = {0, 0, 0, 0};
+    const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
+                          tiles->numel() >= 64;
+    if (bytes_ok) std::memcpy(header, tiles->data_ptr<uint8_t>(), sizeof(header));
+    TORCH_CHECK(bytes_ok && !grid && header[1] == bits && header[2] == group && header[3] == scale.element_size() &&
+                    tiles->numel() == avx2_tiles_bytes(N, K / group, bits, group, scale.element_size(), header[0] < 0),
+                "quant_linear: tiles must be quant_tiles of this weight (contiguous)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #else
     TORCH_CHECK(false, "quant_linear: this build has no tiled path (quant_tiles gives an empty tensor)");
@@ -1785,7 +1959,7 @@ at::Tensor quant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Te
 // row layout's q, scales and offsets.
 int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                            int64_t group, const c10::optional<at::Tensor>& tiles) {
-#ifdef TANDEM_QUANT_VNNI
+#if defined(TANDEM_QUANT_VNNI) || defined(TANDEM_QUANT_AVX2)
   if (tiles.has_value() && tiles->numel() > 0) return tiles->numel();
 #endif
   return q.numel() + (scale.numel() + mn.numel()) * scale.element_size();

@@ -7,7 +7,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -146,9 +146,66 @@ inline vec16 round_to(vec16 v) {
   }
 }
 
+#if defined(__AVX2__)
+// Without AVX-512 a vec16 is two AVX2 registers, and GCC lowers the two-input 16-lane shuffles
+// of transpose16 and lane_sums16 below to scalar moves (about 2000 and 500 instructions a call),
+// so on AVX2 they work on the halves: 8 x 8 transposes and horizontal adds (lane_sums8 also serves
+// quant_linear's AVX2 path).
+// (Loads and stores of whole registers: a vec16 copied through memcpy went by four 16-byte moves,
+// and the 32-byte load after them waited for the stores.)
+inline void halves(const vec16& v, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(reinterpret_cast<const float*>(&v));
+  hi = _mm256_loadu_ps(reinterpret_cast<const float*>(&v) + 8);
+}
+inline vec16 joined(__m256 lo, __m256 hi) {
+  vec16 v;
+  _mm256_storeu_ps(reinterpret_cast<float*>(&v), lo);
+  _mm256_storeu_ps(reinterpret_cast<float*>(&v) + 8, hi);
+  return v;
+}
+// r[i][j] and r[j][i] swapped (8 x 8).
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + c]: column c (rows 4i .. 4i + 3) and column c + 4
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+// Lane j of the result is the sum of v[j]'s 8 lanes (horizontal adds of pairs, then halves).
+inline __m256 lane_sums8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#endif
+
 // v[i][j] and v[j][i] swapped for every i, j (a 16 x 16 transpose): four rounds of swapping the
-// off-diagonal blocks of 8, 4, 2 and 1 lanes between row pairs, two-input shuffles each.
+// off-diagonal blocks of 8, 4, 2 and 1 lanes between row pairs, two-input shuffles each (AVX2:
+// four 8 x 8 transposes, the off-diagonal ones swapped).
 inline void transpose16(vec16* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 top[8], bottom[8], right[8], corner[8];  // rows 0-7 / 8-15, columns 0-7 / 8-15
+  for (int i = 0; i < 8; ++i) {
+    halves(v[i], top[i], right[i]);
+    halves(v[i + 8], bottom[i], corner[i]);
+  }
+  for (__m256* block : {top, bottom, right, corner}) transpose8(block);
+  for (int i = 0; i < 8; ++i) {
+    v[i] = joined(top[i], bottom[i]);
+    v[i + 8] = joined(right[i], corner[i]);
+  }
+  return;
+#endif
   for (int bs = 8; bs >= 1; bs /= 2) {
     ivec16 lo, hi;
     for (int c = 0; c < 16; ++c) {
@@ -182,8 +239,18 @@ inline float halving_max16(vec16 v) {
   return halving16(v, [](vec16 a, vec16 b) { return a > b ? a : b; });
 }
 
-// Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds).
+// Lane j of the result is the sum of v[j]'s 16 lanes (a transpose-and-add tree: 15 adds; AVX2:
+// each vector's halves added, then lane_sums8).
 inline vec16 lane_sums16(vec16* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 s[16];
+  for (int j = 0; j < 16; ++j) {
+    __m256 lo, hi;
+    halves(v[j], lo, hi);
+    s[j] = _mm256_add_ps(lo, hi);
+  }
+  return joined(lane_sums8(s), lane_sums8(s + 8));
+#endif
   const ivec16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const ivec16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
   const ivec16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
