@@ -166,6 +166,33 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
         assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
 
 
+# The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x)
+# and 64 (Q6_K); no compact scales
+@pytest.mark.parametrize("name,kind", [("Q8_0", 0), ("Q2_K", 1), ("Q3_K", 1), ("Q5_0", 2), ("Q5_K", 2), ("Q6_K", 3)])
+def test_avx2_narrow_tiles_give_the_same_outputs_from_fewer_bytes(name, kind):
+    """Against the layout's own tiles of the same weight (`narrow=False`): the header (int32 4)
+    says the kind, a narrow tile leaves out 8 - (4 + planes) bits a code, and the outputs are
+    bit-identical (the same integer sums, scaled in the same order) at 1, 5, 9 and 40 rows."""
+    isa = ops.quant_linear_isa()
+    if isa.startswith(("avx512_vnni", "float,")):
+        pytest.skip(f"this build's path is {isa}: these are the AVX2 build's tiles")
+    rows, cols = 70, 768
+    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    q = torch.from_numpy(packed.q)
+    scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
+    tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
+    plain = ops.quant_tiles(q, scale, mn, packed.code, packed.group, False)
+    assert int(tiles[:64].view(torch.int32)[4]) == kind and int(plain[:64].view(torch.int32)[4]) == 0
+    if kind == 0:
+        assert torch.equal(tiles, plain)
+    else:  # 9 tiles of 8 rows (72), cols codes each
+        assert (plain.numel() - tiles.numel()) * 8 == 72 * cols * (8 - (3 + kind))
+    for n in (1, 5, 9, 40):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()
+        got = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, tiles)
+        assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
+
+
 @pytest.mark.slow  # ~20 s: 900 products of up to 4096 x 1536, with and without stored tiles
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_avx512_vnni_outputs_are_bit_identical_to_the_measured_kernel(kernel):

@@ -261,6 +261,14 @@ inline int32_t symmetric_offset(const float* ws, const float* wmn, int64_t count
   return c < 0.f ? 0 : static_cast<int32_t>(c);
 }
 
+// The tile kind quant_tiles stores for W (bits, its codes q [N, row bytes]): a narrow tile (1 +
+// planes) for an 8-bit weight whose codes lie below 64, else 0.
+inline int32_t narrow_kind(const at::Tensor& q, int64_t bits) {
+  if (bits != 8 || q.numel() == 0) return 0;
+  const int top = q.max().item<uint8_t>();
+  return top < 16 ? 1 : top < 32 ? 2 : top < 64 ? 3 : 0;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------------------
 // bfloat16 / float16 rows: int8 activations and VNNI integer dot products (llama.cpp's recipe).
@@ -1027,14 +1035,6 @@ void narrow_vectors(const __m512i* w8, uint8_t* out) {
     }
 }
 
-// The tile kind quant_tiles stores for W (bits, its codes q [N, row bytes]): a narrow tile (1 +
-// planes) for an 8-bit weight whose codes lie below 64, else 0.
-inline int32_t narrow_kind(const at::Tensor& q, int64_t bits) {
-  if (bits != 8 || q.numel() == 0) return 0;
-  const int top = q.max().item<uint8_t>();
-  return top < 16 ? 1 : top < 32 ? 2 : top < 64 ? 3 : 0;
-}
-
 // One row's values of a super-block (v[0 .. n)) as d * k[j] exactly in float32, k int8: the
 // factor of the largest magnitude tried as it divided by 1 .. 128 (either sign; the true one is
 // among them where the values are a float16 times small integers, as the K-quants' are).
@@ -1438,22 +1438,29 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 //   15 * 127 = 30480) and widened to int32 once a group.
 // - 8-bit: w - 128 by the sign trick (above), every vector's pairs widened to int32 (they reach
 //   32512), 128 * sum(qx) of the group added back once.
+// - narrow (kind 1 + PLANES, an 8-bit W whose codes lie below 16, 32 or 64: Q2_K, Q3_K; Q5_x;
+//   Q6_K, as the AVX-512 VNNI path's narrow tiles): the 8-bit vectors v and v + GROUP / 8 as the
+//   low and high nibbles of one vector (x's columns 4v .. and GROUP / 2 + 4v .., as the 4-bit
+//   layout's), then per vector and plane k a 32-bit mask of the low nibbles' bit 4 + k and one of
+//   the high nibbles', expanded to bytes and added back; codes < 64 sum in int16 by pairs of
+//   VPMADDUBSW (2 * 2 * 63 * 127 = 32004). 4 + PLANES bits a weight instead of 8.
 // A W whose every offset is -c * its scale for one integer c (symmetric_offset: Q4_0, Q8_0) keeps
 // no offsets; its groups' integer sums take c * sum(qx) off instead. The integer sums are those of
 // the row kernel: the results differ from it in the float summation order only.
-// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S).
+// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S), kind.
 constexpr int64_t kAvx2TileRows = 8;
-inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn) {
-  return (bits == 4 ? group / 2 : group) * kAvx2TileRows + (with_mn ? 2 : 1) * kAvx2TileRows * scale_bytes;
+inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn, int32_t kind = 0) {
+  const int64_t codes = kind > 0 ? group / 2 + group / 8 * (kind - 1) : bits == 4 ? group / 2 : group;
+  return codes * kAvx2TileRows + (with_mn ? 2 : 1) * kAvx2TileRows * scale_bytes;
 }
-inline int64_t avx2_tiles_bytes(int64_t N, int64_t G, int64_t bits, int64_t group, int64_t scale_bytes,
-                                bool with_mn) {
-  return 64 + (N + kAvx2TileRows - 1) / kAvx2TileRows * G * avx2_group_bytes(bits, group, scale_bytes, with_mn);
+inline int64_t avx2_tiles_bytes(int64_t N, int64_t G, int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn,
+                                int32_t kind = 0) {
+  return 64 + (N + kAvx2TileRows - 1) / kAvx2TileRows * G * avx2_group_bytes(bits, group, scale_bytes, with_mn, kind);
 }
 
 template <typename S>
-at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, int64_t K, int64_t bits,
-                            int64_t group) {
+at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, int64_t K, int64_t bits, int64_t group,
+                            int32_t kind) {
   const int64_t N = q.size(0), G = K / group, row_bytes = q.size(1), group_q = bits == 4 ? group / 2 : group;
   std::vector<float> ws(N * G), wmn(N * G);
   for (int64_t i = 0; i < N * G; ++i) {
@@ -1462,20 +1469,38 @@ at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, in
   }
   const int32_t c = symmetric_offset(ws.data(), wmn.data(), N * G);
   const bool with_mn = c < 0;
-  const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn);
-  at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn)}, q.options());
+  const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn, kind);
+  const int64_t code_bytes = group_bytes - (with_mn ? 2 : 1) * kAvx2TileRows * static_cast<int64_t>(sizeof(S));
+  const int planes = kind > 0 ? kind - 1 : 0, nibble_vectors = static_cast<int>(group / 8);
+  at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn, kind)}, q.options());
   uint8_t* out = tiles.data_ptr<uint8_t>();
-  const int32_t header[4] = {c, static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S))};
+  const int32_t header[5] = {c, static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S)),
+                             kind};
   std::memcpy(out, header, sizeof(header));
   const uint8_t* qp = q.data_ptr<uint8_t>();
   at::parallel_for(0, (N + kAvx2TileRows - 1) / kAvx2TileRows, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* at = out + 64 + (t * G + g) * group_bytes;
-        S* s = reinterpret_cast<S*>(at + group_q * kAvx2TileRows);
+        S* s = reinterpret_cast<S*>(at + code_bytes);
         for (int64_t i = 0; i < kAvx2TileRows && kAvx2TileRows * t + i < N; ++i) {
           const int64_t n = kAvx2TileRows * t + i;
-          for (int64_t v = 0; v < group_q / 4; ++v) std::memcpy(at + 32 * v + 4 * i, qp + n * row_bytes + group_q * g + 4 * v, 4);
+          const uint8_t* codes = qp + n * row_bytes + group_q * g;
+          if (kind == 0) {
+            for (int64_t v = 0; v < group_q / 4; ++v) std::memcpy(at + 32 * v + 4 * i, codes + 4 * v, 4);
+          } else {
+            for (int v = 0; v < nibble_vectors; ++v)
+              for (int b = 0; b < 4; ++b) {
+                const int j = 4 * static_cast<int>(i) + b;  // the byte's bit in the masks
+                const uint8_t low = codes[4 * v + b], high = codes[4 * (v + nibble_vectors) + b];
+                at[32 * v + j] = static_cast<uint8_t>((low & 15) | (high & 15) << 4);
+                uint8_t* masks = at + 32 * nibble_vectors + 8 * planes * v;
+                for (int k = 0; k < planes; ++k) {
+                  masks[8 * k + j / 8] |= static_cast<uint8_t>(((low >> (4 + k)) & 1) << (j % 8));
+                  masks[8 * k + 4 + j / 8] |= static_cast<uint8_t>(((high >> (4 + k)) & 1) << (j % 8));
+                }
+              }
+          }
           s[i] = scale[n * G + g];
           if (with_mn) s[kAvx2TileRows + i] = mn[n * G + g];
         }
@@ -1484,18 +1509,36 @@ at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, in
   return tiles;
 }
 
-inline __m256i avx2_bcast4(const int8_t* p) {
+inline __m256i avx2_bcast4(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-// Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i].
-template <int BITS, int GROUP, int NR, bool SYM, typename T, typename S>
+// A narrow tile's bit planes of one vector (at p: per plane the low nibbles' 32-bit mask, then
+// the high nibbles') added to its nibbles lo and hi: bit 4 + k set in byte j where bit j is.
+template <int PLANES>
+inline void avx2_add_planes(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  for (int k = 0; k < PLANES; ++k) {
+    const __m256i value = _mm256_set1_epi8(static_cast<char>(0x10 << k));
+    const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(avx2_bcast4(p + 8 * k), spread), bit);
+    const __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(avx2_bcast4(p + 8 * k + 4), spread), bit);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, bit), value));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(h, bit), value));
+  }
+}
+
+// Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i]. BITS: the
+// tile's vectors (4: nibbles, of a 4-bit W or a narrow tile of an 8-bit one with PLANES planes).
+template <int BITS, int GROUP, int PLANES, int NR, bool SYM, typename T, typename S>
 void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c, const float* bias, T* y,
                      int64_t N, int64_t n, int rows) {
   constexpr int kV = (BITS == 4 ? GROUP / 2 : GROUP) * kAvx2TileRows / 32;  // vectors a group
-  const int64_t G = X.G, group_bytes = avx2_group_bytes(BITS, GROUP, sizeof(S), !SYM);
+  constexpr int64_t kCodeBytes = kV * 32 + kV * 8 * PLANES;
+  const int64_t G = X.G, group_bytes = kCodeBytes + (SYM ? 1 : 2) * kAvx2TileRows * sizeof(S);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
@@ -1503,19 +1546,29 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
     const uint8_t* at = tile + g * group_bytes;
     __m256i sum[NR];
     if constexpr (BITS == 4) {
+      // codes <= 15: the group's products summed in int16 (2 * kV <= 8 VPMADDUBSW of pairs <=
+      // 3810); with planes (codes <= 63), each vector's pair of them, then widened
+      constexpr bool kInt16 = PLANES == 0;
       __m256i s16[NR];
-      for (int r = 0; r < NR; ++r) s16[r] = _mm256_setzero_si256();
+      for (int r = 0; r < NR; ++r) s16[r] = sum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int v = 0; v < kV; ++v) {
         const __m256i w = avx2_load(at + 32 * v);
-        const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        avx2_add_planes<PLANES>(at + kV * 32 + 8 * PLANES * v, lo, hi);
         for (int r = 0; r < NR; ++r) {
           const int8_t* xr = X.qx.data() + (r0 + r) * X.stride + GROUP * g + 4 * v;
-          s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, avx2_bcast4(xr)),
-                                                             _mm256_maddubs_epi16(hi, avx2_bcast4(xr + GROUP / 2))));
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, avx2_bcast4(xr)),
+                                                _mm256_maddubs_epi16(hi, avx2_bcast4(xr + GROUP / 2)));
+          if constexpr (kInt16) {
+            s16[r] = _mm256_add_epi16(s16[r], pair);
+          } else {
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pair, ones));
+          }
         }
       }
-      for (int r = 0; r < NR; ++r) sum[r] = _mm256_madd_epi16(s16[r], ones);
+      if constexpr (kInt16)
+        for (int r = 0; r < NR; ++r) sum[r] = _mm256_madd_epi16(s16[r], ones);
     } else {
       for (int r = 0; r < NR; ++r) sum[r] = _mm256_set1_epi32(128 * X.isum[(r0 + r) * G + g]);
 #pragma GCC unroll 8
@@ -1527,7 +1580,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
         }
       }
     }
-    const S* ws = reinterpret_cast<const S*>(at + kV * 32);
+    const S* ws = reinterpret_cast<const S*>(at + kCodeBytes);
     const __m256 sc = avx2_load8(ws);
     for (int r = 0; r < NR; ++r) {
       const int64_t row = r0 + r;
@@ -1549,12 +1602,13 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
 
 // Every row of x times tiles [t0, t1) of W's stored tiles (`tiles`: their header), each tile by
 // every block of up to kRowBlock rows (from L1 after the first).
-template <int BITS, int GROUP, typename T, typename S>
+template <int BITS, int GROUP, int PLANES, typename T, typename S>
 void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float* bias, T* y, int64_t N, int64_t t0,
                     int64_t t1) {
-  int32_t c;
-  std::memcpy(&c, tiles, sizeof(c));
-  const int64_t bytes = X.G * avx2_group_bytes(BITS, GROUP, sizeof(S), c < 0);
+  int32_t header[5];
+  std::memcpy(header, tiles, sizeof(header));
+  const int32_t c = header[0];
+  const int64_t bytes = X.G * avx2_group_bytes(header[1], GROUP, sizeof(S), c < 0, header[4]);
   auto blocks = [&](auto symmetric) {
     constexpr bool SYM = decltype(symmetric)::value;
     for (int64_t t = t0; t < t1; ++t) {
@@ -1563,10 +1617,10 @@ void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float
       const int rows = static_cast<int>(std::min<int64_t>(kAvx2TileRows, N - n));
       for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
         switch (std::min<int64_t>(kRowBlock, R - r0)) {
-          case 1: avx2_tile_block<BITS, GROUP, 1, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 2: avx2_tile_block<BITS, GROUP, 2, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 3: avx2_tile_block<BITS, GROUP, 3, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          default: avx2_tile_block<BITS, GROUP, 4, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 1: avx2_tile_block<BITS, GROUP, PLANES, 1, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 2: avx2_tile_block<BITS, GROUP, PLANES, 2, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 3: avx2_tile_block<BITS, GROUP, PLANES, 3, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          default: avx2_tile_block<BITS, GROUP, PLANES, 4, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
         }
       }
     }
@@ -1577,6 +1631,7 @@ void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float
     blocks(std::false_type{});
   }
 }
+
 #ifdef __AVXVNNI__
 #define TANDEM_QUANT_AVX2 "avx_vnni"
 #else
@@ -1688,7 +1743,13 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       const int64_t count = (N + kAvx2TileRows - 1) / kAvx2TileRows;
       share.run(count, std::max<int64_t>(1, grain / kAvx2TileRows), [&](int64_t t0, int64_t t1) {
         by_layout(bits, group, false, [&](auto b, auto g, auto) {
-          avx2_tile_rows<decltype(b)::value, decltype(g)::value, T, S>(X, R, tiles, bias, yp, N, t0, t1);
+          constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+          switch (kBits == 8 ? tiles_kind : 0) {  // a narrow tile of an 8-bit W: nibbles and planes
+            case 1: avx2_tile_rows<4, kGroup, 0, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            case 2: avx2_tile_rows<4, kGroup, 1, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            case 3: avx2_tile_rows<4, kGroup, 2, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            default: avx2_tile_rows<kBits, kGroup, 0, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+          }
         });
       }, steal_unit(count, q.numel(), 4));
       return;
@@ -1816,9 +1877,10 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   return tiles;
 #elif defined(TANDEM_QUANT_AVX2)
   if (layout_bits("quant_tiles", code).second) return at::empty({0}, q.options());  // the grid is widened first
+  const int32_t kind = narrow ? narrow_kind(q, bits) : 0;
   if (scale.scalar_type() == at::kHalf)
-    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group);
-  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group);
+    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group, kind);
+  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group, kind);
 #else
   return at::empty({0}, q.options());
 #endif
@@ -1874,12 +1936,15 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #elif defined(TANDEM_QUANT_AVX2)
-    int32_t header[4] = {0, 0, 0, 0};
+    int32_t header[5] = {0, 0, 0, 0, 0};
     const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
                           tiles->numel() >= 64;
     if (bytes_ok) std::memcpy(header, tiles->data_ptr<uint8_t>(), sizeof(header));
+    tiles_kind = header[4];
     TORCH_CHECK(bytes_ok && !grid && header[1] == bits && header[2] == group && header[3] == scale.element_size() &&
-                    tiles->numel() == avx2_tiles_bytes(N, K / group, bits, group, scale.element_size(), header[0] < 0),
+                    (tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3)) &&
+                    tiles->numel() == avx2_tiles_bytes(N, K / group, bits, group, scale.element_size(), header[0] < 0,
+                                                       tiles_kind),
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #else
