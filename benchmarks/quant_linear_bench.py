@@ -7,7 +7,8 @@ in the 4-bit layout (float16 scales, the default model's Q4_1 gate-up shape; `--
 8-bit layout of Q8_0, group 32), so that the weights do not stay in cache, and prints the time
 per matmul (the fastest of 5 passes) and the weight bytes read per second; beside it oneDNN's
 packed matmul in the same dtype on dense copies of the same shape (none where oneDNN packs no
-such weight: bfloat16 without AVX-512). `--rows` takes several counts. `--march` builds
+such weight: bfloat16 without AVX-512). `--rows` takes several counts. `--tiles` passes each
+weight's stored tiles (`quant_tiles`), as the layers do where the build has them. `--march` builds
 and measures the kernel for another CPU (e.g. `x86-64-v3`: AVX2 without AVX-512, the
 avx2_maddubs path) instead of this machine's build.
 """
@@ -44,6 +45,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--march", default=None, help="build the kernel with -march=MARCH (default: native)")
+    parser.add_argument(
+        "--tiles", action="store_true", help="pass each weight's stored tiles (quant_tiles), as layers do"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,15 +66,19 @@ def main() -> None:
         )
         for _ in range(COUNT)
     ]
+    tiles = [ops.quant_tiles(*w, args.bits, 32) if args.tiles else None for w in weights]
     dtype = getattr(torch, args.dtype)
     packs = can_pack(torch.empty(2, 2, dtype=dtype))
     dense = [PackedCpuLinear(torch.randn(OUT, IN).to(dtype)) for _ in range(COUNT)] if packs else []
     q_bytes = sum(t.numel() * t.element_size() for t in weights[0])
     for rows in args.rows:
         x = torch.randn(rows, IN).to(dtype)
-        quant_s = per_call(lambda x=x: [ops.quant_linear(x, *w, args.bits, 32, None, True) for w in weights], COUNT)
+        quant_s = per_call(
+            lambda x=x: [ops.quant_linear(x, *w, args.bits, 32, None, True, t) for w, t in zip(weights, tiles)], COUNT
+        )
+        path = f"{ops.quant_linear_isa()}{' tiles' if args.tiles else ''}"
         line = (
-            f"{ops.quant_linear_isa()}, {args.bits}-bit, {args.dtype} rows, threads {torch.get_num_threads()}, "
+            f"{path}, {args.bits}-bit, {args.dtype} rows, threads {torch.get_num_threads()}, "
             f"rows {rows}: quant_linear {quant_s * 1e3:.3f} ms ({q_bytes / quant_s / 1e9:.1f} GB/s of weights)"
         )
         if dense:

@@ -1,6 +1,7 @@
-"""The C++ CPU decode attention's checks against a float64 softmax attention, shared by
-tests/unit/test_cpu_decode_kernel.py and, run as `python tests/decode_attention_checks.py
-MARCH`, by a build of the kernel for another CPU (`-march=MARCH`, compiled alone and loaded in
+"""The C++ CPU decode (and prefill: `extend_attention`) attention's checks against a float64
+softmax attention, shared by tests/unit/test_cpu_decode_kernel.py and
+test_extend_attention_kernel.py and, run as `python tests/decode_attention_checks.py
+MARCH`, by a build of both kernels for another CPU (`-march=MARCH`, compiled alone and loaded in
 this process: its generic vector paths, where this machine's build takes AVX-512 ones), which
 prints "ok" once every case passes."""
 
@@ -81,13 +82,71 @@ def check_decode_attention(ops, dtype, tol, num_heads, kv_heads, head_dim, seq_l
     torch.testing.assert_close(out.double(), reference(q, per_req, scale), atol=tol, rtol=tol)
 
 
+def extend_reference(q, per_req, prefix_lens, scale, window=0, softcap=0.0):
+    """q [tokens, H, D] (request after request); each query at position prefix + i over its
+    request's keys 0..prefix + i (the last `window` of them), float64."""
+    outs, start = [], 0
+    for (_, k, v), prefix in zip(per_req, prefix_lens):
+        n = k.shape[0] - prefix
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,lhd->htl", q[start : start + n].double(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(prefix, prefix + n).view(n, 1)
+        key = torch.arange(k.shape[0]).view(1, -1)
+        seen = (key <= pos) & ((key > pos - window) if window > 0 else True)
+        w = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("htl,lhd->thd", w, v).reshape(n, -1))
+        start += n
+    return torch.cat(outs)
+
+
+def run_extend(ops, q, kv, per_req, prefix_lens, scale, window=0, softcap=0.0, rows=None):
+    seq_lens = [r[1].shape[0] for r in per_req]
+    return ops.extend_attention(
+        q,
+        kv.k_buffer[0],
+        kv.v_buffer[0],
+        rows.req_to_token,
+        torch.tensor([r[0] for r in per_req]),
+        torch.tensor(prefix_lens),
+        torch.tensor([s - p for s, p in zip(seq_lens, prefix_lens)]),
+        scale,
+        window,
+        softcap,
+    )
+
+
+def check_extend_attention(ops, dtype, tol, num_heads, kv_heads, head_dim, window=0, softcap=0.0):
+    """The prefill kernel (`extend_attention`) against extend_reference: requests with and
+    without cached prefixes, 1 to 100 new tokens, q's rows strided as in a fused QKV."""
+    # (prefix, extend) per request: none / a cached prefix, 1 to 100 new tokens
+    lens = [(0, 1), (0, 17), (40, 3), (15, 70), (0, 100), (33, 16)]
+    seq_lens = [p + e for p, e in lens]
+    kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, dtype)
+    tokens = sum(e for _, e in lens)
+    wide = torch.randn(tokens, num_heads * head_dim + 24).to(dtype)
+    q = wide[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)  # rows strided, as in a fused QKV
+    scale = head_dim**-0.5
+    prefix_lens = [p for p, _ in lens]
+    out = run_extend(ops, q, kv, per_req, prefix_lens, scale, window, softcap, rows)
+    assert out.dtype == dtype and out.shape == (tokens, num_heads * head_dim)
+    assert not out.isnan().any(), "an unowned slot was read"
+    expected = extend_reference(q, per_req, prefix_lens, scale, window, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
 if __name__ == "__main__":
     from tandem.kernels import cpu
 
-    torch.ops.load_library(str(cpu.build(sources=(cpu.CSRC / "decode_attention_cpu.cpp",), march=sys.argv[1])))
+    sources = (cpu.CSRC / "decode_attention_cpu.cpp", cpu.CSRC / "extend_attention_cpu.cpp")
+    torch.ops.load_library(str(cpu.build(sources=sources, march=sys.argv[1])))
     for dtype, tol in DTYPES:
         for heads in SHAPES:
             for seq_lens, threads in LENGTHS.values():
                 torch.set_num_threads(threads or 2)
                 check_decode_attention(torch.ops.tandem_cpu, dtype, tol, *heads, seq_lens)
+        for window, softcap in ((0, 0.0), (21, 0.0), (0, 30.0)):
+            check_extend_attention(torch.ops.tandem_cpu, dtype, tol, 9, 3, 64, window, softcap)
     print("ok")

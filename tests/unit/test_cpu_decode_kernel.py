@@ -70,9 +70,10 @@ def test_decode_attention_matches_float64(dtype, tol, num_heads, kv_heads, head_
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86-64 builds")
 @pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
 def test_decode_attention_builds_for_other_cpus(march):
-    """A CPU with AVX2 and no AVX-512 (the generic vector code of every dtype), and AVX-512
-    without its bfloat16 dot products (bfloat16 keys widened, values in pairs of lanes): where
-    this machine's build runs other paths, those builds (in a subprocess: their ops have the
+    """A CPU with AVX2 and no AVX-512 (the generic vector code of every dtype, float32 values
+    and prefill attention by explicit AVX2 halves), and AVX-512 without its bfloat16 dot products
+    (bfloat16 keys widened, values in pairs of lanes): where this machine's build runs other
+    paths, those builds of the decode and prefill kernels (in a subprocess: their ops have the
     same names) pass the same checks."""
     if march == "skylake-avx512" and "avx512bw" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU runs no AVX-512 code")

@@ -17,6 +17,7 @@ from runner_steps import greedy_steps, make_runner
 
 from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.linear import LinearBase
+from tandem.layers.linear_kernel import can_pack
 from tandem.layers.quantization.gguf_linear import QUANT_MAX_ROWS
 from tandem.tools.make_tiny_model import make_tiny_model
 
@@ -199,18 +200,21 @@ def test_an_error_inside_the_layers_region_raises_and_the_next_call_runs(gguf_fi
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's head is tied to the embedding
 def test_blocks_that_take_every_input_leave_no_dense_copy(gguf_files, arch):
-    """bfloat16 on an AVX-512 VNNI build without AMX: the quantized kernels take every input
-    (prefill too: `QUANT_MAX_ROWS_ALL`), so no layer keeps its dense weight or a oneDNN copy,
-    each keeps its stored tiles, and a tied head leaves the table to the embedding's blocks;
-    elsewhere the dense copies stay for prefill. Prefill and decode give the tokens of the
-    Python layers either way (the test above)."""
+    """bfloat16 on an AVX-512 VNNI build without AMX, or on the AVX2 build where oneDNN packs
+    no bfloat16: the quantized kernels take every input (prefill too: `QUANT_MAX_ROWS_ALL`), so
+    no layer keeps its dense weight or a oneDNN copy, each keeps its stored tiles, and a tied
+    head leaves the table to the embedding's blocks; elsewhere the dense copies stay for
+    prefill. Prefill and decode give the tokens of the Python layers either way (the test
+    above)."""
     runner = make_runner(gguf_files[arch], dtype="bfloat16")
     model = runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and m.quant_kernel is not None]
+    isa = cpu_kernels.load().quant_linear_isa()
+    vnni = isa.startswith("avx512_vnni")
     every = (
-        cpu_kernels.load().quant_linear_isa().startswith("avx512_vnni")
-        and not torch.cpu._is_amx_tile_supported()
-        and model.model.embed_tokens.weight.dtype == torch.bfloat16
+        model.model.embed_tokens.weight.dtype == torch.bfloat16
+        and not isa.startswith("float,")
+        and (not torch.cpu._is_amx_tile_supported() if vnni else not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)))
     )
     assert linears and all(m.serves_every_input() == every for m in linears)
     for m in linears:

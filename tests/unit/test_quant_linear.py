@@ -303,16 +303,16 @@ def test_few_rows_use_the_blocks_many_the_dense_kernel(monkeypatch, dtype, int8_
     isa = ops.quant_linear_isa()
     int8_path = not isa.startswith("float,") and (int8_x or dtype != torch.float32)
     # exact float32 rows, and int8 rows of a build without AVX-512 VNNI against oneDNN's
-    # bfloat16, stop at 4; int8 rows against a float32 (or unpacked bfloat16) dense kernel, or
-    # on the AVX-512 VNNI build (weight tiles from 8 rows on) with AMX, at 64; on that build
-    # without AMX every input takes the blocks (prefill too)
+    # bfloat16, stop at 4; on the AVX-512 VNNI build with AMX int8 rows stop at 64; every input
+    # takes the blocks (prefill too) on that build without AMX, and on the AVX2 build (its tiles
+    # of 8 rows) against a float32 (or unpacked bfloat16) dense kernel
     vnni = isa.startswith("avx512_vnni")
-    if int8_path and vnni and not torch.cpu._is_amx_tile_supported():
+    if int8_path and (not torch.cpu._is_amx_tile_supported() if vnni else not dense_bf16):
         limit = 300  # any count: QUANT_MAX_ROWS_ALL
         assert layer.quant_kernel.max_rows == QUANT_MAX_ROWS_ALL
         assert layer.kernel is None and layer.weight.numel() == 0  # so no dense copy is kept
     else:
-        limit = QUANT_MAX_ROWS_INT8 if int8_path and (vnni or not dense_bf16) else QUANT_MAX_ROWS
+        limit = QUANT_MAX_ROWS_INT8 if int8_path and vnni else QUANT_MAX_ROWS
         assert layer.quant_kernel.max_rows == limit
     kernel, calls = layer.quant_kernel, []
 

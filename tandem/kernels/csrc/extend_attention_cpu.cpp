@@ -26,6 +26,10 @@
 #include "ops.h"
 #include "vec.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,8 +63,27 @@ struct ExtendTask {
              float* peak, float* total) const {
     const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16;
     vec16 s[NR] = {};
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // AVX2: a vec16 is two registers, and GCC broadcast each query float by 16 scalar stores
+    // (and spilled the value sums below): the same products and sums by explicit halves.
+    {
+      __m256 h[NR][2];
+      for (int i = 0; i < NR; ++i) h[i][0] = h[i][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; ++d) {
+        __m256 lo, hi;
+        halves(kt[d], lo, hi);
+        for (int i = 0; i < NR; ++i) {
+          const __m256 qd = _mm256_broadcast_ss(qf + (r0 + i) * head_dim + d);
+          h[i][0] = _mm256_fmadd_ps(qd, lo, h[i][0]);
+          h[i][1] = _mm256_fmadd_ps(qd, hi, h[i][1]);
+        }
+      }
+      for (int i = 0; i < NR; ++i) s[i] = joined(h[i][0], h[i][1]);
+    }
+#else
     for (int64_t d = 0; d < head_dim; ++d)
       for (int i = 0; i < NR; ++i) s[i] += qf[(r0 + i) * head_dim + d] * kt[d];
+#endif
     vec16 lane;
     for (int j = 0; j < 16; ++j) lane[j] = static_cast<float>(k0 + j);
     vec16 p[NR];
@@ -88,6 +111,28 @@ struct ExtendTask {
     }
     float w[NR][kKeys];  // the weights as floats: each meets the values as a broadcast
     std::memcpy(w, p, sizeof(w));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    for (int64_t c = 0; c < nc; ++c) {  // one chunk of the head at a time, as below
+      __m256 a[NR][2];
+      for (int i = 0; i < NR; ++i) {
+        halves(acc[(r0 + i) * nc + c], a[i][0], a[i][1]);
+        const __m256 scale_i = _mm256_set1_ps(rescale[i]);
+        a[i][0] = _mm256_mul_ps(a[i][0], scale_i);
+        a[i][1] = _mm256_mul_ps(a[i][1], scale_i);
+      }
+      for (int64_t j = 0; j < kKeys; ++j) {
+        __m256 lo, hi;
+        halves(vf[j * nc + c], lo, hi);
+        for (int i = 0; i < NR; ++i) {
+          const __m256 wj = _mm256_broadcast_ss(&w[i][j]);
+          a[i][0] = _mm256_fmadd_ps(wj, lo, a[i][0]);
+          a[i][1] = _mm256_fmadd_ps(wj, hi, a[i][1]);
+        }
+      }
+      for (int i = 0; i < NR; ++i) acc[(r0 + i) * nc + c] = joined(a[i][0], a[i][1]);
+    }
+    return;
+#endif
     if constexpr (C > 0 && NR * C <= 16) {  // all NR rows' weighted values in registers
       vec16 a[NR][C];
       for (int i = 0; i < NR; ++i)

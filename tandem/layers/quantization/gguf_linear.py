@@ -8,8 +8,9 @@ has one part per tensor, a tensor-parallel rank a slice of each). Once loaded,
 and the layer multiplies inputs of few rows (decode steps; `quant_max_rows`) with the
 C++ kernel `tandem_cpu.quant_linear`,
 reading 4-bit or 8-bit weights instead of the dense ones; larger inputs (prefill) keep
-the dense kernel where that is faster (oneDNN's bfloat16 on AMX, or a build without AVX-512
-VNNI). The kernel rounds the rows to int8 (llama.cpp's
+the dense kernel where that is faster (oneDNN's bfloat16 on AMX, or on a build without AVX-512
+VNNI where oneDNN packs bfloat16); elsewhere every input takes the blocks and no dense copy is
+kept. The kernel rounds the rows to int8 (llama.cpp's
 recipe: bfloat16 rows always, float32 rows unless the model asked for exact float32 matmuls,
 `--dtype float32`); exact float32 results equal the dense matmul's up to the summation order
 (the kernel computes in float32 on the exact dequantized values).
@@ -20,7 +21,8 @@ grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's (`takes_grid`
 AVX-512 VNNI build, the stored tiles of an 8-bit weight whose codes lie below 16, 32 or 64 (Q2_K,
 Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles"),
 and float32 scales that factor per 256 columns into a float32 and int8s (the K-quants', IQ4_XS's)
-take 0.75 bits a weight instead of 2 ("compact scales"); both exact.
+take 0.75 bits a weight instead of 2 ("compact scales"); both exact. The AVX2 build stores tiles of
+8 rows (narrow ones too, no compact scales).
 Where a part has no layout (F16, BF16, F32, a type without one), a tensor-parallel column
 slice does not fall on group boundaries, the rows do not cover the whole weight, the weight
 is not on the CPU or the C++ kernels are unavailable, the layer keeps only the dense kernel.
@@ -68,6 +70,10 @@ QUANT_MAX_ROWS_INT8 = 64
 # tiles, whose sums the packed ones give), against oneDNN's bfloat16 on the dense copy, the
 # default model's prefill alternated in one process (2 Zen 4 cores, bf16): 1 x 128 tokens 0.85
 # of the time, 4 x 256 0.89, 16 x 96 0.90 (Q8_0 0.87), 1 x 1024 0.91 (Q4_0).
+# ... and on the AVX2 build (its tiles of 8 rows, `quant_tiles`) where the dense kernel is
+# oneDNN's float32: 3072 x 576 from memory, float32 rows, 2 Zen 3 cores, quant / dense at 128,
+# 256 and 512 rows 0.60, 0.65, 0.72 (4-bit) and 0.86, 0.93, 0.98 (8-bit)
+# (`benchmarks/quant_linear_bench.py --dtype float32 --tiles`).
 QUANT_MAX_ROWS_ALL = 1 << 62
 
 
@@ -77,7 +83,7 @@ def quant_max_rows(weight: torch.Tensor, int8_x: bool, ops) -> int:
     int8_rows = (int8_x or weight.dtype != torch.float32) and not isa.startswith("float,")
     onednn_bf16 = weight.dtype == torch.bfloat16 and can_pack(weight)
     vnni = isa.startswith("avx512_vnni")
-    if int8_rows and vnni and not torch.cpu._is_amx_tile_supported():
+    if int8_rows and (not torch.cpu._is_amx_tile_supported() if vnni else not onednn_bf16):
         return QUANT_MAX_ROWS_ALL
     return QUANT_MAX_ROWS_INT8 if int8_rows and (vnni or not onednn_bf16) else QUANT_MAX_ROWS
 
@@ -185,7 +191,7 @@ class QuantLinearKernel:
         self.q = torch.from_numpy(packed.q)
         self.scale, self.mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
         self.out_features, self.in_features = packed.rows, packed.cols
-        # Where the build multiplies rows by weight tiles (AVX-512 VNNI), the weight's packed
+        # Where the build multiplies rows by weight tiles (AVX-512 VNNI; AVX2: tiles of 8 rows), the weight's packed
         # tiles stored once here (`quant_tiles`), which calls of any rows read instead of its rows
         # and of the tiles transposed per call from 8 rows on (the same sums there): about as many
         # bytes again as the blocks (0.56-0.63 a 4-bit weight, 1.06-1.13 an 8-bit one); the default
