@@ -130,6 +130,24 @@ def test_stored_tiles_give_the_same_outputs(name):
             )
 
 
+def narrow_and_plain_tiles(name: str, rows: int, cols: int):
+    """A weight of type `name` (its narrowest scales) and its stored tiles with and without
+    narrow tiles and compact scales (`quant_tiles(..., narrow=False)`)."""
+    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    q = torch.from_numpy(packed.q)
+    scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
+    tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
+    return (packed, q, scale, mn), tiles, ops.quant_tiles(q, scale, mn, packed.code, packed.group, False)
+
+
+def assert_same_outputs(packed, q, scale, mn, tiles, plain):
+    """Bit-identical outputs from both tiles at 1, 5, 9 and 40 bfloat16 rows."""
+    for n in (1, 5, 9, 40):
+        x = torch.randn(n, packed.cols, generator=torch.Generator().manual_seed(n)).bfloat16()
+        got = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, tiles)
+        assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
+
+
 # Narrow tiles (8-bit codes below 16, 32 or 64: kind 1 + bit planes) and compact scales (float32
 # scales of 4-bit tiles that factor per 256 columns: the K-quants, IQ4_XS)
 @pytest.mark.parametrize(
@@ -145,12 +163,8 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
     for rows of the packed kernel (1, 5), the many-rows path (9) and the widened tiles (40)."""
     if not ops.quant_linear_isa().startswith("avx512_vnni"):
         pytest.skip("tiles are the AVX-512 VNNI path's")
-    rows, cols = 70, 768
-    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
-    q = torch.from_numpy(packed.q)
-    scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
-    tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
-    plain = ops.quant_tiles(q, scale, mn, packed.code, packed.group, False)
+    cols = 768
+    (packed, q, scale, mn), tiles, plain = narrow_and_plain_tiles(name, 70, cols)
     header = tiles[:64].view(torch.int32)
     assert (int(header[1]), int(header[2])) == (kind, compact)
     assert int(plain[:64].view(torch.int32)[1]) == int(plain[:64].view(torch.int32)[2]) == 0
@@ -160,10 +174,7 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
         assert (plain.numel() - tiles.numel()) * 8 == 96 * cols * (8 - (3 + kind))  # 3 tiles of 32 rows
     else:
         assert tiles.numel() < plain.numel()
-    for n in (1, 5, 9, 40):
-        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()
-        got = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, tiles)
-        assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
+    assert_same_outputs(packed, q, scale, mn, tiles, plain)
 
 
 # The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x)
@@ -176,21 +187,14 @@ def test_avx2_narrow_tiles_give_the_same_outputs_from_fewer_bytes(name, kind):
     isa = ops.quant_linear_isa()
     if isa.startswith(("avx512_vnni", "float,")):
         pytest.skip(f"this build's path is {isa}: these are the AVX2 build's tiles")
-    rows, cols = 70, 768
-    packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
-    q = torch.from_numpy(packed.q)
-    scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
-    tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
-    plain = ops.quant_tiles(q, scale, mn, packed.code, packed.group, False)
+    cols = 768
+    (packed, q, scale, mn), tiles, plain = narrow_and_plain_tiles(name, 70, cols)
     assert int(tiles[:64].view(torch.int32)[4]) == kind and int(plain[:64].view(torch.int32)[4]) == 0
     if kind == 0:
         assert torch.equal(tiles, plain)
     else:  # 9 tiles of 8 rows (72), cols codes each
         assert (plain.numel() - tiles.numel()) * 8 == 72 * cols * (8 - (3 + kind))
-    for n in (1, 5, 9, 40):
-        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()
-        got = ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, tiles)
-        assert torch.equal(got, ops.quant_linear(x, q, scale, mn, packed.code, packed.group, None, False, plain))
+    assert_same_outputs(packed, q, scale, mn, tiles, plain)
 
 
 @pytest.mark.slow  # ~20 s: 900 products of up to 4096 x 1536, with and without stored tiles

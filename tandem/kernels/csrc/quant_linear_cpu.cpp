@@ -32,7 +32,8 @@
 // up to four rows at a time. From kGemmRows rows of x on, the AVX-512 VNNI path transposes each
 // tile of weight rows once so that every int32 lane is one output (gemm_rows, below); given the
 // tiles stored at load (quant_tiles), rows of any count read packed tiles of that order instead
-// (gemv_rows: below kGemmRows the row kernel's integer products, summed in another order).
+// (gemv_rows: below kGemmRows the row kernel's integer products, summed in another order). The
+// AVX2 path's own stored tiles (8 weight rows each, avx2_tile_rows) serve rows of any count too.
 // `quant_linear_isa()` names the paths of this build.
 
 #include <ATen/ATen.h>
@@ -1812,12 +1813,13 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
   }
 }
 
-// Where this build multiplies rows by weight tiles (the AVX-512 VNNI path): W's packed tiles
+// Where this build multiplies rows by weight tiles (the AVX-512 VNNI path; AVX2: below): W's packed tiles
 // (gemv_rows, for every row count; from kGemmRows rows the sums of the tiles gemm_rows
 // transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
 // quant_linear's `tiles`: narrow tiles and compact scales where the weight allows them, unless
-// `narrow` is false (the layout's own tiles, for comparisons: the same outputs). Elsewhere an
-// empty tensor.
+// `narrow` is false (the layout's own tiles, for comparisons: the same outputs). On the AVX2
+// build its tiles of 8 rows (avx2_store_tiles: narrow ones too, no compact scales; none for the
+// grid layout, which that build widens first). Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group,
                        bool narrow) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
@@ -2020,7 +2022,7 @@ at::Tensor quant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Te
 }
 
 // Bytes that quant_linear reads of W (q, scale, mn and its stored tiles, or None) for a few
-// bfloat16 / float16 rows: the packed tiles where it has them (the AVX-512 VNNI build), else the
+// bfloat16 / float16 rows: the stored tiles where it has them (the AVX-512 VNNI and AVX2 builds), else the
 // row layout's q, scales and offsets.
 int64_t quant_decode_bytes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t bits,
                            int64_t group, const c10::optional<at::Tensor>& tiles) {
