@@ -196,12 +196,22 @@ void quant_rows(const float* x, const float* xsum, const uint8_t* q, const S* sc
 template <typename T>
 inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock);
 
-// gsum[g] = d * sum(qx) over each weight group g of one rounded row.
-inline void group_sums(const int8_t* qx, const float* dblock, int64_t G, int64_t group, float* gsum) {
+// x's columns 32b .. 32b + 31 of one row (K columns, a multiple of 16) as two vec16, zero past
+// K: what each ISA's quantize_row rounds.
+template <typename T>
+inline void load_block32(const T* row, int64_t K, int64_t b, vec16* f) {
+  for (int p = 0; p < 2; ++p) f[p] = 32 * b + 16 * p < K ? load16(row + 32 * b + 16 * p) : vec16{};
+}
+
+// gsum[g] = d * sum(qx) over each weight group g of one rounded row (and isum[g] = that sum,
+// where asked for).
+inline void group_sums(const int8_t* qx, const float* dblock, int64_t G, int64_t group, float* gsum,
+                       int32_t* isum = nullptr) {
   for (int64_t g = 0; g < G; ++g) {
     int sum = 0;
     for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
     gsum[g] = dblock[g * group / 32] * static_cast<float>(sum);
+    if (isum) isum[g] = sum;
   }
 }
 
@@ -232,12 +242,7 @@ RowsX quantize_rows(const T* x, int64_t stride, int64_t R, int64_t K, int64_t gr
       int8_t* qx = X.qx.data() + r * X.stride;
       float* d = X.d.data() + r * X.blocks;
       quantize_row(x + r * stride, K, qx, d);
-      group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G);
-      for (int64_t g = 0; g < X.G; ++g) {
-        int sum = 0;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += qx[k];
-        X.isum[r * X.G + g] = sum;
-      }
+      group_sums(qx, d, X.G, group, X.gsum.data() + r * X.G, X.isum.data() + r * X.G);
     }
   });
   return X;
@@ -300,11 +305,10 @@ template <typename T>
 inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock) {
   for (int64_t b = 0; 32 * b < K; ++b) {
     const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
+    vec16 f[2];
+    load_block32(row, K, b, f);
     __m512 v[2];
-    for (int p = 0; p < 2; ++p) {
-      const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
-      std::memcpy(&v[p], &f, sizeof(f));
-    }
+    std::memcpy(v, f, sizeof(v));
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     for (int p = 0; p < parts; ++p) {
@@ -1211,12 +1215,10 @@ inline float avx2_quantize_block(const __m256 v[4], int8_t* out) {
 template <typename T>
 inline void quantize_row(const T* row, int64_t K, int8_t* qx, float* dblock) {
   for (int64_t b = 0; 32 * b < K; ++b) {
-    const int parts = K - 32 * b >= 32 ? 2 : 1;  // K is a multiple of 16
+    vec16 f[2];
+    load_block32(row, K, b, f);
     __m256 v[4];
-    for (int p = 0; p < 2; ++p) {
-      const vec16 f = p < parts ? load16(row + 32 * b + 16 * p) : vec16{};
-      std::memcpy(&v[2 * p], &f, sizeof(f));
-    }
+    std::memcpy(v, f, sizeof(v));
     dblock[b] = avx2_quantize_block(v, qx + 32 * b);
   }
 }
