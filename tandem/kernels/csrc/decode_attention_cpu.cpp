@@ -60,6 +60,84 @@ struct DecodeTask {
   float scale;
   float softcap;  // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping)
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // AVX2, float32 rows (a vec16 is two registers there, and GCC spilled the generic loops'
+  // vec16 arrays to the stack): the keys 8 at a time per query, one register of products a key
+  // (the query's vectors read from L1 as operands), the 8 sums by one lane_sums8; scores of keys
+  // past `len` in the last block of 8 are computed from the last key and never read. The same
+  // products as the generic loop, summed in another order.
+  void avx2_scores(const float* qf, const float* k, const float* v, int64_t k_stride_s, int64_t v_stride_s,
+                   int64_t stride_h, int64_t kv_count, const int64_t* slots, int64_t len, int64_t max_len,
+                   float* scores, int64_t row_elems, bool values_early) const {
+    constexpr int kV = 2 * C;  // registers of one head's row
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {
+      const int64_t n = std::min<int64_t>(8, len - t0);
+      for (int64_t j = t0; j < t0 + n; ++j) {  // keys 32 ahead, this block's values (see run)
+        if (j + 32 < len) prefetch_row(k + slots[j + 32] * k_stride_s, row_elems);
+        if (values_early) prefetch_row(v + slots[j] * v_stride_s, row_elems);
+      }
+      const float* rows[8];
+      for (int j = 0; j < 8; ++j) rows[j] = k + slots[t0 + std::min<int64_t>(j, n - 1)] * k_stride_s;
+      for (int64_t h = 0; h < kv_count; ++h)
+        for (int64_t i = h * group; i < (h + 1) * group; ++i) {
+          const float* qi = qf + i * 16 * C;
+          __m256 sum[8];
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) sum[j] = _mm256_mul_ps(_mm256_loadu_ps(rows[j] + h * stride_h), _mm256_loadu_ps(qi));
+#pragma GCC unroll 16
+          for (int c = 1; c < kV; ++c)
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j)
+              sum[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + h * stride_h + 8 * c), _mm256_loadu_ps(qi + 8 * c), sum[j]);
+          _mm256_storeu_ps(scores + i * max_len + t0, lane_sums8(sum));
+        }
+    }
+  }
+
+  // AVX2, float32 values: the G queries of one KV head at a time, P registers of its dims a pass
+  // (G * P <= 12 accumulators, the rest for the broadcast weight), each value vector read from L1
+  // as the operand of the G products. Where the values were not asked for with the keys (too
+  // many for L2), each block of 8 keys asks for the rows of the block 3 ahead. The same sums in
+  // the same order as the generic loop.
+  template <int G>
+  void avx2_values(const float* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
+                   int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {
+    constexpr int kV = 2 * C;
+    constexpr int P = (kV % 8 == 0 && 8 * G <= 12) ? 8 : (kV % 4 == 0 && 4 * G <= 12) ? 4 : 2;
+    const bool ahead = len * row_elems * static_cast<int64_t>(sizeof(float)) > (256 << 10);
+    for (int64_t h = 0; h < kv_count; ++h) {
+      const float* p = scores + h * G * max_len;
+      for (int d0 = 0; d0 < kV; d0 += P) {
+        __m256 a[G][P];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+          for (int d = 0; d < P; ++d) a[g][d] = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < len; t0 += 8) {
+          if (ahead && h == 0 && d0 == 0)
+            for (int64_t j = t0 + 24; j < std::min<int64_t>(t0 + 32, len); ++j)
+              prefetch_row(v + slots[j] * v_stride_s, row_elems);
+          const int64_t t1 = std::min<int64_t>(t0 + 8, len);
+          for (int64_t t = t0; t < t1; ++t) {
+            const float* vrow = v + slots[t] * v_stride_s + h * stride_h + 8 * d0;
+#pragma GCC unroll 8
+            for (int g = 0; g < G; ++g) {
+              const __m256 pg = _mm256_broadcast_ss(p + g * max_len + t);
+#pragma GCC unroll 8
+              for (int d = 0; d < P; ++d) a[g][d] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vrow + 8 * d), a[g][d]);
+            }
+          }
+        }
+        float* out = reinterpret_cast<float*>(acc);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+          for (int d = 0; d < P; ++d) _mm256_storeu_ps(out + (h * G + g) * 16 * C + 8 * (d0 + d), a[g][d]);
+      }
+    }
+  }
+#endif
+
   // acc[i * nc + c] = sum over keys t (in order) of p[i][t] * v[t]: with G > 0 (G * C <= 16
   // vectors: the group of one KV head in registers) one KV head at a time, else all at once
   // from memory. The same sums in the same order either way.
@@ -98,27 +176,7 @@ struct DecodeTask {
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if constexpr (G > 0 && C > 0 && std::is_same_v<T, float>) {
-      // AVX2, float32 values: a vec16 is two registers there, and GCC spilled a[G][C] below and
-      // broadcast each p through 16 scalar stores. Here each pass takes 16 of the head's dims (two
-      // registers) for the G queries, in registers; the same sums in the same order.
-      for (int64_t h = 0; h < kv_count; ++h) {
-        const float* p = scores + h * G * max_len;
-        for (int c = 0; c < C; ++c) {
-          __m256 a[G][2];
-          for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
-          for (int64_t t = 0; t < len; ++t) {
-            if (h == 0 && c == 0 && t + 24 < len) prefetch_row(v + slots[t + 24] * v_stride_s, row_elems);
-            const float* vrow = v + slots[t] * v_stride_s + h * stride_h + 16 * c;
-            const __m256 lo = _mm256_loadu_ps(vrow), hi = _mm256_loadu_ps(vrow + 8);
-            for (int g = 0; g < G; ++g) {
-              const __m256 pg = _mm256_broadcast_ss(p + g * max_len + t);
-              a[g][0] = _mm256_fmadd_ps(pg, lo, a[g][0]);
-              a[g][1] = _mm256_fmadd_ps(pg, hi, a[g][1]);
-            }
-          }
-          for (int g = 0; g < G; ++g) acc[(h * G + g) * nc + c] = joined(a[g][0], a[g][1]);
-        }
-      }
+      avx2_values<G>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc);
       return;
     }
 #endif
@@ -187,7 +245,15 @@ struct DecodeTask {
     const bool spread = kv_count > 1;
     const bool values_early = len * row_elems * static_cast<int64_t>(sizeof(T)) <= (256 << 10);
     for (int64_t j = 0; j < std::min<int64_t>(32, len); ++j) prefetch_row(k + slots[j] * k_stride_s, row_elems);
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    constexpr bool kAvx2Scores = std::is_same_v<T, float> && C > 0;
+    if constexpr (kAvx2Scores)
+      avx2_scores(reinterpret_cast<const float*>(qv), k, v, k_stride_s, v_stride_s, stride_h, kv_count, slots, len,
+                  max_len, scores, row_elems, values_early);
+#else
+    constexpr bool kAvx2Scores = false;
+#endif
+    for (int64_t t0 = 0; t0 < (kAvx2Scores ? 0 : len); t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
       if (!spread) {
         for (int64_t j = t0 + 32; j < std::min<int64_t>(t0 + 48, len); ++j)
@@ -259,8 +325,13 @@ struct DecodeTask {
       peaks[i] = peak;
       totals[i] = total;
     }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    constexpr bool kAnyGroup = std::is_same_v<T, float>;  // avx2_values takes groups up to 4 at any head size
+#else
+    constexpr bool kAnyGroup = false;
+#endif
     if constexpr (C > 0) {
-      switch (group * C <= 16 ? group : 0) {  // common GQA groups: a KV head's weighted values in registers
+      switch (group * C <= 16 || kAnyGroup ? group : 0) {  // common GQA groups: a KV head's weighted values in registers
         case 1: weigh_values<1>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
         case 2: weigh_values<2>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
         case 3: weigh_values<3>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc); break;
