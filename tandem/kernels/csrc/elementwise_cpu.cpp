@@ -61,9 +61,41 @@ struct Rows {
   T* operator[](int64_t r) const { return base + (r / b_size) * a_stride + (r % b_size) * b_stride; }
 };
 
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Float32 rows on an AVX2 build without AVX-512 take 8-lane loops (vec8, one register) where the
+// width allows; the same operations in each lane as the vec16 loops (the same results: for
+// float, round_to is no rounding, and no product below is followed by an add it could fuse with).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kLanes8 = true;
+#else
+constexpr bool kLanes8 = false;
+#endif
+
 // out = round(round(x * rsqrt(mean(x^2) + eps)) * weight), Hugging Face's LlamaRMSNorm.
 template <typename T>
 inline void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  if constexpr (kLanes8 && std::is_same_v<T, float>) {
+    if (width % 16 == 0) {  // the squares in two vec8 as in one vec16's halves, summed in its lane order
+      vec8 lo{}, hi{};
+      for (int64_t i = 0; i < width; i += 16) {
+        const vec8 a = load8(x + i), b = load8(x + i + 8);
+        lo += a * a;
+        hi += b * b;
+      }
+      float sum = 0.f;
+      for (int i = 0; i < 8; ++i) sum += lo[i];
+      for (int i = 0; i < 8; ++i) sum += hi[i];
+      const float r = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+      for (int64_t i = 0; i < width; i += 8) store8(out + i, load8(x + i) * r * load8(weight + i));
+      return;
+    }
+  }
   vec16 acc{};
   for (int64_t i = 0; i < width; i += 16) {
     const vec16 v = load_n(x + i, std::min<int64_t>(16, width - i));
@@ -85,7 +117,10 @@ void norm_rows(const Rows<T>& x, const Rows<T>* residual, const T* weight, T* ou
     T* s = x[r];
     if (residual != nullptr) {
       const T* rr = (*residual)[r];
-      for (int64_t i = 0; i < x.width; i += 16) {
+      int64_t i = 0;
+      if constexpr (kLanes8 && std::is_same_v<T, float>)
+        for (; i + 8 <= x.width; i += 8) store8(s + i, load8(s + i) + load8(rr + i));
+      for (; i < x.width; i += 16) {
         const int64_t n = std::min<int64_t>(16, x.width - i);
         store_n(s + i, load_n(s + i, n) + load_n(rr + i, n), n);
       }
@@ -111,6 +146,7 @@ void norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
 
 // silu(g) = g / (1 + exp(-g)), as PyTorch's vectorized SiLU.
 inline vec16 silu16(vec16 g) { return g / (1.f + exp16(-g)); }
+inline vec8 silu8(vec8 g) { return g / (1.f + exp_lanes<vec8, ivec8>(-g)); }
 
 // Rows [r0, r1) x columns [c0, c1) of silu_and_mul (out contiguous [rows, d]). Each value is
 // computed alone, so any split of the rows or columns gives the same values.
@@ -120,7 +156,10 @@ void silu_part(const Rows<T>& in, T* out, int64_t r0, int64_t r1, int64_t c0, in
   for (int64_t r = r0; r < r1; ++r) {
     const T* gate = in[r];
     const T* up = gate + d;
-    for (int64_t i = c0; i < c1; i += 16) {
+    int64_t i = c0;
+    if constexpr (kLanes8 && std::is_same_v<T, float>)
+      for (; i + 8 <= c1; i += 8) store8(out + r * d + i, silu8(load8(gate + i)) * load8(up + i));
+    for (; i < c1; i += 16) {
       const int64_t n = std::min<int64_t>(16, c1 - i);
       store_n(out + r * d + i, round_to<T>(silu16(load_n(gate + i, n))) * load_n(up + i, n), n);
     }

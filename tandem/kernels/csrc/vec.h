@@ -19,6 +19,10 @@ typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 typedef uint32_t uvec16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+// 8 floats: one AVX2 register (elementwise kernels' float32 loops on AVX2, where a vec16 passed
+// by value goes through memory).
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
 
 // Cephes' expf (relative error ~2e-7, as the vectorized exp PyTorch's own kernels use):
 // e^x = 2^n e^r with n = round(x / ln 2); this is e^r by its polynomial, for a float or a
@@ -57,21 +61,23 @@ inline vec16 exp_nonpositive16(vec16 x) {
   return exp_reduced(x, __builtin_convertvector(ni, vec16)) * scale;
 }
 
-// exp of 16 floats, for inputs from -87 (below: as at -87) to 88.72 (above: +inf, as
-// float's exp overflows).
-inline vec16 exp16(vec16 x) {
-  const vec16 in = x;
-  x = x < -87.0f ? vec16{} - 87.0f : x;
-  x = x > 88.72f ? vec16{} + 88.72f : x;
-  const vec16 t = x * 1.44269504088896341f + 0.5f;
-  ivec16 ni = __builtin_convertvector(t, ivec16);  // toward zero, then down to floor(t)
-  ni += __builtin_convertvector(ni, vec16) > t;    // a true comparison is -1
-  const ivec16 bits = (ni + 126) << 23;            // 2^(n-1): n reaches 128 near the top
-  vec16 half_scale;
+// exp of 16 floats (V: vec16; on AVX2 also vec8, one register, the same operations in each
+// lane), for inputs from -87 (below: as at -87) to 88.72 (above: +inf, as float's exp overflows).
+template <typename V, typename IV>
+inline V exp_lanes(V x) {
+  const V in = x;
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.72f ? V{} + 88.72f : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  IV ni = __builtin_convertvector(t, IV);  // toward zero, then down to floor(t)
+  ni += __builtin_convertvector(ni, V) > t;  // a true comparison is -1
+  const IV bits = (ni + 126) << 23;          // 2^(n-1): n reaches 128 near the top
+  V half_scale;
   std::memcpy(&half_scale, &bits, sizeof(half_scale));
-  const vec16 result = exp_reduced(x, __builtin_convertvector(ni, vec16)) * half_scale * 2.0f;
-  return in > 88.72f ? vec16{} + __builtin_inff() : result;
+  const V result = exp_reduced(x, __builtin_convertvector(ni, V)) * half_scale * 2.0f;
+  return in > 88.72f ? V{} + __builtin_inff() : result;
 }
+inline vec16 exp16(vec16 x) { return exp_lanes<vec16, ivec16>(x); }
 
 inline vec16 load16(const float* p) {
   vec16 v;
