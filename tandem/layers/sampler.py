@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.sampling.custom_logit_processor import CustomLogitBatch
 from tandem.sampling.penalties import PenaltyBatch
 from tandem.sampling.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ class Sampler:
             logits = info.penalties.apply(logits)
         if info.custom is not None:
             logits = info.custom.apply(logits)
-        greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = greedy(logits)
         if info.all_greedy:
             return greedy_ids
         probs = sampling_probs(logits, info)
@@ -91,6 +92,17 @@ class Sampler:
         sampled = torch.argmax(probs / noise, dim=-1)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima; the first NaN): Tandem's CPU kernel for
+    float32 rows on CPU (~60 us of torch.argmax a step at batch 1 on a 49K vocabulary, a few
+    there), else torch.argmax; the same ids."""
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[-1] > 0 and logits.stride(-1) == 1:
+        ops = cpu_kernels.ops_for(logits)
+        if ops is not None:
+            return ops.argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
 
 
 def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

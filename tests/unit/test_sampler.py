@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tandem.kernels import cpu as cpu_kernels
 from tandem.layers.sampler import (
     Sampler,
     SamplingBatchInfo,
     _filter_probs,
     bits_to_uniform,
+    greedy,
     seeded_bits,
     seeded_exponential,
 )
@@ -23,6 +26,27 @@ def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
     out = Sampler(0, "cpu")(logits, info([SamplingParams(temperature=0)] * 2, vocab=3))
     assert out.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 4099), (2, 17), (4, 1), (1, 100003)])
+def test_greedy_kernel_picks_torch_argmax_ids(shape):
+    """The C++ argmax (float32 rows on CPU) against torch.argmax: random rows, rows of few
+    distinct values (ties: the first), a NaN anywhere (the first NaN), all -inf (the first)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("Tandem's C++ CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(shape[1])
+    for trial in range(40):
+        x = torch.randn(*shape, generator=g)
+        if trial % 4 == 1:
+            x = torch.randint(-3, 3, shape, generator=g).float()
+        if trial % 4 == 2:
+            x[:, torch.randint(0, shape[1], (2,), generator=g)] = float("nan")
+        if trial % 4 == 3:
+            x = torch.full(shape, -float("inf"))
+        assert torch.equal(cpu_kernels.load().argmax_rows(x), torch.argmax(x, -1)), (shape, trial)
+        assert torch.equal(greedy(x), torch.argmax(x, -1))
+    wide = torch.randn(2, 64, generator=g)[:, ::2]  # strided rows: torch's argmax
+    assert torch.equal(greedy(wide), torch.argmax(wide, -1))
 
 
 def test_filters():
