@@ -18,7 +18,7 @@ if __name__ == "__main__":  # the variant's ops are this process's, not this mac
 from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]
-SHAPES = [(12, 4, 64), (8, 8, 128), (6, 2, 80), (32, 4, 16), (4, 2, 32)]  # heads, KV heads, head_dim
+SHAPES = [(12, 4, 64), (8, 8, 128), (16, 4, 128), (6, 2, 80), (32, 4, 16), (4, 2, 32)]  # heads, KV heads, head_dim
 LENGTHS = {  # seq_lens and the threads they run on (None: the default)
     "7-requests": ([1, 15, 16, 17, 40, 3, 100], None),
     # fewer tasks than twice the threads: each task's keys split in parts, merged after
