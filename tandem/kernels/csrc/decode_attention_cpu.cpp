@@ -96,9 +96,9 @@ struct DecodeTask {
 
   // AVX2, float32 values: the G queries of one KV head at a time, P registers of its dims a pass
   // (G * P <= 8 accumulators, so that the P value vectors and the broadcast weight fit beside
-  // them: with 12 for G = 3, GCC spilled one, and a pass of 384 keys took 1.2x the time). Where the values were not asked for with the keys (too
-  // many for L2), each block of 8 keys asks for the rows of the block 3 ahead. The same sums in
-  // the same order as the generic loop.
+  // them: with 12 at G = 3 GCC spilled one, and 384 keys took 1.2x the time). Where the values
+  // were not asked for with the keys (too many for L2), each block of 8 keys asks for the rows
+  // of the block 3 ahead. The same sums in the same order as the generic loop.
   template <int G>
   void avx2_values(const float* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
                    int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {
