@@ -96,8 +96,8 @@ class Sampler:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima; the first NaN): Tandem's CPU kernel for
-    float32 rows on CPU (~60 us of torch.argmax a step at batch 1 on a 49K vocabulary, a few
-    there), else torch.argmax; the same ids."""
+    float32 rows on CPU (one row of a 49K vocabulary: ~17 us with the op call, against 53-75 us
+    of torch.argmax on 2 Zen 3 cores), else torch.argmax; the same ids."""
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[-1] > 0 and logits.stride(-1) == 1:
         ops = cpu_kernels.ops_for(logits)
         if ops is not None:

@@ -335,8 +335,8 @@ void silu_and_mul_part(const at::Tensor& x, at::Tensor& out, int64_t r0, int64_t
 }
 
 // logits [rows, vocab] float32 with a contiguous last axis; each row's argmax (int64 [rows]), as
-// torch.argmax(logits, -1) picks it (the first of equal maxima; the first NaN), a read of
-// the row's 200 KB from cache at a few microseconds where torch's took ~60 us at batch 1.
+// torch.argmax(logits, -1) picks it (the first of equal maxima; the first NaN): one row of
+// 49K logits in ~17 us with the op call, where torch's took 53-75 us (2 Zen 3 cores).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1 && logits.size(1) > 0,
