@@ -1534,11 +1534,17 @@ inline void avx2_add_planes(const uint8_t* p, __m256i& lo, __m256i& hi) {
   }
 }
 
+// How far ahead of its group a tile's first row block asks for the weight stream (software
+// prefetch, T0): the hardware prefetchers alone left a core's compute and its reads in turn
+// (one thread from memory at about half of either's rate alone).
+constexpr int64_t kAvx2Prefetch = 4096;
+
 // Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i]. BITS: the
 // tile's vectors (4: nibbles, of a 4-bit W or a narrow tile of an 8-bit one with PLANES planes).
 template <int BITS, int GROUP, int PLANES, int NR, bool SYM, typename T, typename S>
 void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c, const float* bias, T* y,
                      int64_t N, int64_t n, int rows) {
+  const bool fetch = r0 == 0;  // later row blocks read the tile from L1 / L2
   constexpr int kV = (BITS == 4 ? GROUP / 2 : GROUP) * kAvx2TileRows / 32;  // vectors a group
   constexpr int64_t kCodeBytes = kV * 32 + kV * 8 * PLANES;
   const int64_t G = X.G, group_bytes = kCodeBytes + (SYM ? 1 : 2) * kAvx2TileRows * sizeof(S);
@@ -1547,6 +1553,9 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* at = tile + g * group_bytes;
+    if (fetch)
+      for (int64_t off = 0; off < group_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at + kAvx2Prefetch + off), _MM_HINT_T0);
     __m256i sum[NR];
     if constexpr (BITS == 4) {
       // codes <= 15: the group's products summed in int16 (2 * kV <= 8 VPMADDUBSW of pairs <=
