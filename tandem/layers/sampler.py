@@ -1,11 +1,12 @@
 """Turns logits into next tokens: greedy, or temperature / top-k / top-p / min-p sampling.
 
-Sampling uses the exponential-race form of categorical sampling (argmax of p / E with
-E ~ Exp(1)), computed for the whole batch at once, with no loop over rows. The noise of
-requests without a seed comes from the sampler's generator. A request with
-`sampling_seed` takes its noise from a counter-based hash of (seed, number of tokens
-generated so far, token id) computed as tensor operations, so its tokens do not depend
-on what else shares the batch, nor on the device. Penalties
+Every row is sampled at once, with no loop over rows. A request without a seed draws one
+uniform from the sampler's generator and takes the token where it falls in the cumulative
+distribution (`categorical`). A request with `sampling_seed` uses the exponential-race form
+(argmax of p / E with E ~ Exp(1)) with noise from a counter-based hash of (seed, number of
+tokens generated so far, token id) computed as tensor operations, so its tokens do not
+depend on what else shares the batch, nor on the device. Top-k and top-p sort a row's
+largest probabilities only (`TOP_CANDIDATES`) where those settle them. Penalties
 (`tandem.sampling.penalties`) adjust a copy of the logits first, then the requests'
 custom logit processors (`tandem.sampling.custom_logit_processor`) change their rows of
 it; the caller's logits (from which logprobs are reported) are never modified.
@@ -85,11 +86,12 @@ class Sampler:
         if info.all_greedy:
             return greedy_ids
         probs = sampling_probs(logits, info)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        noise = torch.where(
-            info.has_seed.unsqueeze(1), seeded_exponential(info.seeds, info.output_lens, probs.shape[-1]), noise
-        )
-        sampled = torch.argmax(probs / noise, dim=-1)
+        seeded = bool(info.has_seed.any())
+        sampled = None if seeded and bool(info.has_seed.all()) else categorical(probs, self.generator)
+        if seeded:
+            noise = seeded_exponential(info.seeds, info.output_lens, probs.shape[-1])
+            raced = torch.argmax(probs / noise, dim=-1)
+            sampled = raced if sampled is None else torch.where(info.has_seed, raced, sampled)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
 
@@ -103,6 +105,20 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
         if ops is not None:
             return ops.argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
+
+
+def categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of `probs` (non-negative, each row's sum > 0), drawn with one
+    uniform a row from `generator` by the inverse of the row's cumulative sum. (The
+    exponential race that seeded rows use needs a draw per token: a 49K vocabulary's noise
+    took longer than the forward of a 135M model.)"""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    # Below the row's total (u * total can round up to it), so that the first cumulative sum
+    # above it belongs to a token of positive probability.
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -155,16 +171,48 @@ def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_siz
     return -torch.log(bits_to_uniform(seeded_bits(seeds, output_lens, vocab_size)))
 
 
+# Top-k / top-p look at a row's largest probabilities, this many first, then more (at least
+# its top_k), sorting the whole vocabulary only where those leave the decision open (a top-p
+# row whose candidates hold no more than top_p of its mass): a 49K vocabulary's sort took
+# 4.2 ms a row on 2 Zen 3 cores, its 256 largest 0.14 ms, its 4096 largest 0.8 ms.
+TOP_CANDIDATES = (256, 4096)
+
+
 def _filter_probs(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
 ) -> torch.Tensor:
-    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max. A row
+    with top_k >= vocab, top_p >= 1 and min_p <= 0 is left as it is."""
+    vocab = probs.shape[-1]
+    ranked = (top_ks < vocab) | (top_ps < 1)  # rows whose kept tokens depend on their rank
+    if bool(ranked.any()):
+        probs = torch.where(ranked.unsqueeze(1), _filter_ranked(probs, top_ks, top_ps, ranked), probs)
+    if bool((min_ps > 0).any()):  # the largest probability is never dropped above: the same max
+        probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(1), 0.0)
+    return probs
+
+
+def _filter_ranked(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, ranked: torch.Tensor
+) -> torch.Tensor:
+    """Top-k and top-p of the `ranked` rows (the others' values are not meaningful)."""
+    vocab = probs.shape[-1]
+    limited = top_ks < vocab
+    at_least = int(top_ks[limited].max()) if bool(limited.any()) else 0
+    for count in TOP_CANDIDATES:
+        k = min(vocab, max(count, at_least))
+        top, order = probs.topk(k, dim=-1)  # descending
+        mass = top.cumsum(dim=-1)
+        # Every token past the candidates is dropped when top-k drops it, or when the
+        # candidates already hold more than top_p (its mass before it exceeds top_p).
+        if k == vocab or bool((limited | (mass[:, -1] > top_ps))[ranked].all()):
+            break
+    else:
+        top, order = probs.sort(dim=-1, descending=True)
+        mass = top.cumsum(dim=-1)
+    ranks = torch.arange(top.shape[-1], device=probs.device).unsqueeze(0)
     drop = ranks >= top_ks.unsqueeze(1)
-    # Keep a token if the mass strictly before it is below top_p (the first is always kept).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before > top_ps.unsqueeze(1)
-    drop |= sorted_probs < (sorted_probs[:, :1] * min_ps.unsqueeze(1))
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    # Keep a token if the mass strictly before it is within top_p (the first is always kept).
+    mass_before = mass - top
+    drop |= (mass_before > top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
+    return torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(drop, 0.0))

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from tandem.forward_batch import ForwardBatch, ForwardMode
-from tandem.layers.sampler import SamplingBatchInfo, sampling_probs
+from tandem.layers.sampler import SamplingBatchInfo, categorical, sampling_probs
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.scheduler.schedule_batch import Req
 from tandem.server_args import ServerArgs
@@ -121,7 +121,6 @@ class DraftModel:
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[list[int], torch.Tensor]:
         """Draft tokens (greedy rows: the argmax) and the distributions they were drawn from."""
         q = sampling_probs(logits, info)
-        noise = torch.empty_like(q).exponential_(generator=self.runner.sampler.generator)
         greedy = torch.tensor(info.is_greedy, device=logits.device)
-        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), torch.argmax(q / noise, dim=-1))
+        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), categorical(q, self.runner.sampler.generator))
         return tokens.tolist(), q

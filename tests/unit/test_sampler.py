@@ -11,6 +11,7 @@ from tandem.layers.sampler import (
     SamplingBatchInfo,
     _filter_probs,
     bits_to_uniform,
+    categorical,
     greedy,
     seeded_bits,
     seeded_exponential,
@@ -59,6 +60,49 @@ def test_filters():
     assert keep(4, 0.45, 0.0) == [True, False, False, False]
     assert keep(4, 1.0, 0.5) == [True, True, False, False]  # >= 0.5 * 0.5
     assert keep(4, 1.0, 0.0) == [True, True, True, True]
+
+
+def _kept_by_definition(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The tokens a row keeps, by the filters' definitions in plain Python: rank below top_k,
+    mass strictly before the token within top_p (unless top_p is 1), at least min_p * max."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    kept, mass = set(), 0.0
+    for rank, i in enumerate(order):
+        if rank < top_k and (top_p >= 1 or mass <= top_p) and row[i] >= row[order[0]] * min_p:
+            kept.add(i)
+        mass += row[i]
+    return kept
+
+
+def test_filters_keep_what_the_definitions_keep():
+    """Rows whose decision the 256 / 4096 largest probabilities settle (peaked), and rows that
+    need the whole sort (flat, or a top_k above the candidates), in one batch with rows that
+    filter nothing (left exactly as they are) and rows with min-p only."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 6000
+    spreads = [8.0, 8.0, 0.3, 0.3, 2.0, 1.0, 8.0, 0.3]
+    logits = torch.stack([torch.randn(vocab, generator=g) * s for s in spreads])
+    probs = torch.softmax(logits, dim=-1)
+    filters = [(vocab, 0.9, 0.0), (40, 1.0, 0.0), (vocab, 0.95, 0.0), (5000, 0.99, 0.0),
+               (vocab, 1.0, 0.0), (vocab, 1.0, 0.2), (7, 0.5, 0.01), (vocab, 1.0, 0.0)]  # fmt: skip
+    top_ks, top_ps, min_ps = (torch.tensor(col) for col in zip(*filters))
+    out = _filter_probs(probs, top_ks, top_ps.float(), min_ps.float())
+    for r, (k, p, m) in enumerate(filters):
+        kept = set(torch.nonzero(out[r]).flatten().tolist())
+        assert kept == _kept_by_definition(probs[r].tolist(), k, p, m), r
+        assert torch.equal(out[r][list(kept)], probs[r][list(kept)])
+    assert torch.equal(out[4], probs[4]) and torch.equal(out[7], probs[7])
+    assert len(_kept_by_definition(probs[2].tolist(), vocab, 0.95, 0.0)) > 4096  # the whole sort ran
+
+
+def test_categorical_draws_by_probability_and_never_a_zero():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0]]).expand(100000, -1).contiguous()
+    counts = torch.bincount(categorical(probs, g), minlength=6).float() / 100000
+    assert counts[1] == counts[4] == counts[5] == 0
+    assert torch.allclose(counts, probs[0], atol=0.01), counts
+    tiny = torch.tensor([[1e-30, 0.0, 3e-30, 0.0]])  # a sum far from 1, zeros last
+    assert set(categorical(tiny.expand(1000, -1), g).tolist()) == {0, 2}
 
 
 def test_sampling_respects_top_k():
