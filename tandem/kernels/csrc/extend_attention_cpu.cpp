@@ -47,6 +47,115 @@ struct Task {
   int64_t b, h, q0, nq, cost;
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: a vec16 is two registers, and GCC broadcast each query float by 16 scalar stores (and
+// spilled the value sums), so ExtendTask::block's products and sums go by explicit halves
+// here: always four rows (rows past NR repeat the last and are not stored), each in named
+// registers. With arrays of registers indexed by row GCC kept the sums on the stack (a load
+// and a store around every FMA), prefill attention of 128 tokens 2.x as long. The same
+// operations in the same order as the generic loops.
+
+// The first NR of four rows' halves stored at out + i * stride (as whole registers: a vec16
+// built from them went through the stack, and GCC then kept the sums there all along).
+template <int NR>
+inline void store_rows(float* out, int64_t stride, __m256 lo0, __m256 hi0, __m256 lo1, __m256 hi1, __m256 lo2,
+                       __m256 hi2, __m256 lo3, __m256 hi3) {
+  _mm256_storeu_ps(out, lo0), _mm256_storeu_ps(out + 8, hi0);
+  if (NR > 1) _mm256_storeu_ps(out + stride, lo1), _mm256_storeu_ps(out + stride + 8, hi1);
+  if (NR > 2) _mm256_storeu_ps(out + 2 * stride, lo2), _mm256_storeu_ps(out + 2 * stride + 8, hi2);
+  if (NR > 3) _mm256_storeu_ps(out + 3 * stride, lo3), _mm256_storeu_ps(out + 3 * stride + 8, hi3);
+}
+
+// s[i] (lane j: key j) = row i's query (qf + i * head_dim) times the block's keys kt
+// ([head_dim][kKeys], transposed), for rows [0, NR).
+template <int NR>
+void avx2_block_scores(const float* qf, int64_t head_dim, const vec16* kt, vec16* s) {
+  const float* q[4];
+  for (int i = 0; i < 4; ++i) q[i] = qf + std::min(i, NR - 1) * head_dim;
+  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float* key = reinterpret_cast<const float*>(kt + d);
+    const __m256 klo = _mm256_loadu_ps(key), khi = _mm256_loadu_ps(key + 8);
+    __m256 qd = _mm256_broadcast_ss(q[0] + d);
+    lo0 = _mm256_fmadd_ps(qd, klo, lo0), hi0 = _mm256_fmadd_ps(qd, khi, hi0);
+    qd = _mm256_broadcast_ss(q[1] + d);
+    lo1 = _mm256_fmadd_ps(qd, klo, lo1), hi1 = _mm256_fmadd_ps(qd, khi, hi1);
+    qd = _mm256_broadcast_ss(q[2] + d);
+    lo2 = _mm256_fmadd_ps(qd, klo, lo2), hi2 = _mm256_fmadd_ps(qd, khi, hi2);
+    qd = _mm256_broadcast_ss(q[3] + d);
+    lo3 = _mm256_fmadd_ps(qd, klo, lo3), hi3 = _mm256_fmadd_ps(qd, khi, hi3);
+  }
+  store_rows<NR>(reinterpret_cast<float*>(s), 16, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3);
+}
+
+// Rows [0, NR)'s weighted values (acc: [rows][nc], row 0 first) rescaled by rescale[i], plus
+// the block's values vf ([kKeys][nc]) weighed by w[i][j]: one chunk of the head at a time.
+template <int NR>
+void avx2_block_values(const float (*w)[kKeys], const float* rescale, const vec16* vf, int64_t nc, vec16* acc) {
+  int row[4];
+  for (int i = 0; i < 4; ++i) row[i] = std::min(i, NR - 1);
+  for (int64_t c = 0; c < nc; ++c) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const float* a = reinterpret_cast<const float*>(acc + row[i] * nc + c);
+      const __m256 scale_i = _mm256_set1_ps(rescale[row[i]]);
+      lo[i] = _mm256_mul_ps(_mm256_loadu_ps(a), scale_i);
+      hi[i] = _mm256_mul_ps(_mm256_loadu_ps(a + 8), scale_i);
+    }
+    __m256 lo0 = lo[0], hi0 = hi[0], lo1 = lo[1], hi1 = hi[1], lo2 = lo[2], hi2 = hi[2], lo3 = lo[3], hi3 = hi[3];
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const float* value = reinterpret_cast<const float*>(vf + j * nc + c);
+      const __m256 vlo = _mm256_loadu_ps(value), vhi = _mm256_loadu_ps(value + 8);
+      __m256 wj = _mm256_broadcast_ss(&w[row[0]][j]);
+      lo0 = _mm256_fmadd_ps(wj, vlo, lo0), hi0 = _mm256_fmadd_ps(wj, vhi, hi0);
+      wj = _mm256_broadcast_ss(&w[row[1]][j]);
+      lo1 = _mm256_fmadd_ps(wj, vlo, lo1), hi1 = _mm256_fmadd_ps(wj, vhi, hi1);
+      wj = _mm256_broadcast_ss(&w[row[2]][j]);
+      lo2 = _mm256_fmadd_ps(wj, vlo, lo2), hi2 = _mm256_fmadd_ps(wj, vhi, hi2);
+      wj = _mm256_broadcast_ss(&w[row[3]][j]);
+      lo3 = _mm256_fmadd_ps(wj, vlo, lo3), hi3 = _mm256_fmadd_ps(wj, vhi, hi3);
+    }
+    store_rows<NR>(reinterpret_cast<float*>(acc + c), 16 * nc, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3);
+  }
+}
+
+// One row's online-softmax update for a block of keys at positions k0 .. k0 + 15 (its scores
+// sc, 16 floats), of which it sees lo .. pos: its weights w (exp(score - new peak) where seen,
+// else 0), its peak and exp sum updated; returns the factor its weighted values are rescaled
+// by. The generic code's operations, its sums in halving16's order.
+inline float avx2_softmax_row(const float* sc, int64_t k0, int64_t lo, int64_t pos, float& peak, float& total,
+                              float* w) {
+  const __m256 idx = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m256 lane_lo = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(k0)), idx);
+  const __m256 lane_hi = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(k0 + 8)), idx);
+  const __m256 first = _mm256_set1_ps(static_cast<float>(lo)), last = _mm256_set1_ps(static_cast<float>(pos));
+  const __m256 seen_lo = _mm256_and_ps(_mm256_cmp_ps(lane_lo, first, _CMP_GE_OQ), _mm256_cmp_ps(lane_lo, last, _CMP_LE_OQ));
+  const __m256 seen_hi = _mm256_and_ps(_mm256_cmp_ps(lane_hi, first, _CMP_GE_OQ), _mm256_cmp_ps(lane_hi, last, _CMP_LE_OQ));
+  const __m256 s_lo = _mm256_loadu_ps(sc), s_hi = _mm256_loadu_ps(sc + 8), none = _mm256_set1_ps(-INFINITY);
+  __m256 m = _mm256_max_ps(_mm256_blendv_ps(none, s_lo, seen_lo), _mm256_blendv_ps(none, s_hi, seen_hi));
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
+  const float block_peak = _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps(m, 0xB1)));
+  if (block_peak == -INFINITY) {  // the row sees no key of this block: nothing changes
+    std::memset(w, 0, kKeys * sizeof(float));
+    return 1.f;
+  }
+  const float new_peak = std::max(peak, block_peak);
+  const vec8 top = vec8{} + new_peak;
+  const __m256 p_lo = _mm256_and_ps(exp_nonpositive_lanes<vec8, ivec8>(s_lo - top), seen_lo);
+  const __m256 p_hi = _mm256_and_ps(exp_nonpositive_lanes<vec8, ivec8>(s_hi - top), seen_hi);
+  _mm256_storeu_ps(w, p_lo), _mm256_storeu_ps(w + 8, p_hi);
+  __m256 t = _mm256_add_ps(p_lo, p_hi);
+  t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 1));
+  t = _mm256_add_ps(t, _mm256_permute_ps(t, 0x4E));
+  const float sum = _mm256_cvtss_f32(_mm256_add_ps(t, _mm256_permute_ps(t, 0xB1)));
+  const float rescale = peak == -INFINITY || new_peak == peak ? 1.f : exp_nonpositive(peak - new_peak);
+  total = total * rescale + sum;
+  peak = new_peak;
+  return rescale;
+}
+#endif
+
 // Rows [queries q0 .. q0 + nq of request b] x [the query heads of KV head h]: row r is query
 // q0 + r / group, head h * group + r % group. C: head_dim / 16 (a compile-time constant where
 // common, else 0 and `chunks` says it).
@@ -64,36 +173,24 @@ struct ExtendTask {
     const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16;
     vec16 s[NR] = {};
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    // AVX2: a vec16 is two registers, and GCC broadcast each query float by 16 scalar stores
-    // (and spilled the value sums below): the same products and sums by explicit halves.
-    {
-      __m256 h[NR][2];
-      for (int i = 0; i < NR; ++i) h[i][0] = h[i][1] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_dim; ++d) {
-        __m256 lo, hi;
-        halves(kt[d], lo, hi);
-        for (int i = 0; i < NR; ++i) {
-          const __m256 qd = _mm256_broadcast_ss(qf + (r0 + i) * head_dim + d);
-          h[i][0] = _mm256_fmadd_ps(qd, lo, h[i][0]);
-          h[i][1] = _mm256_fmadd_ps(qd, hi, h[i][1]);
-        }
-      }
-      for (int i = 0; i < NR; ++i) s[i] = joined(h[i][0], h[i][1]);
+    avx2_block_scores<NR>(qf + r0 * head_dim, head_dim, kt, s);
+    float w[NR][kKeys], rescale[NR];
+    for (int i = 0; i < NR; ++i) {
+      const int64_t r = r0 + i, pos = pos0 + r / group, lo = window > 0 ? pos - window + 1 : 0;
+      cap(s[i]);
+      rescale[i] = avx2_softmax_row(reinterpret_cast<const float*>(s + i), k0, lo, pos, peak[r], total[r], w[i]);
     }
+    avx2_block_values<NR>(w, rescale, vf, nc, acc + r0 * nc);
 #else
     for (int64_t d = 0; d < head_dim; ++d)
       for (int i = 0; i < NR; ++i) s[i] += qf[(r0 + i) * head_dim + d] * kt[d];
-#endif
     vec16 lane;
     for (int j = 0; j < 16; ++j) lane[j] = static_cast<float>(k0 + j);
     vec16 p[NR];
     float rescale[NR];
     for (int i = 0; i < NR; ++i) {
       const int64_t r = r0 + i, pos = pos0 + r / group, lo = window > 0 ? pos - window + 1 : 0;
-      if (softcap > 0.f) {
-        const float inv_cap = 1.f / softcap;
-        for (int j = 0; j < 16; ++j) s[i][j] = softcap * std::tanh(s[i][j] * inv_cap);
-      }
+      cap(s[i]);
       const auto seen = (lane >= static_cast<float>(lo)) & (lane <= static_cast<float>(pos));  // -1 where seen
       const vec16 masked = seen ? s[i] : vec16{} - INFINITY;
       const float block_peak = halving_max16(masked);
@@ -111,28 +208,6 @@ struct ExtendTask {
     }
     float w[NR][kKeys];  // the weights as floats: each meets the values as a broadcast
     std::memcpy(w, p, sizeof(w));
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    for (int64_t c = 0; c < nc; ++c) {  // one chunk of the head at a time, as below
-      __m256 a[NR][2];
-      for (int i = 0; i < NR; ++i) {
-        halves(acc[(r0 + i) * nc + c], a[i][0], a[i][1]);
-        const __m256 scale_i = _mm256_set1_ps(rescale[i]);
-        a[i][0] = _mm256_mul_ps(a[i][0], scale_i);
-        a[i][1] = _mm256_mul_ps(a[i][1], scale_i);
-      }
-      for (int64_t j = 0; j < kKeys; ++j) {
-        __m256 lo, hi;
-        halves(vf[j * nc + c], lo, hi);
-        for (int i = 0; i < NR; ++i) {
-          const __m256 wj = _mm256_broadcast_ss(&w[i][j]);
-          a[i][0] = _mm256_fmadd_ps(wj, lo, a[i][0]);
-          a[i][1] = _mm256_fmadd_ps(wj, hi, a[i][1]);
-        }
-      }
-      for (int i = 0; i < NR; ++i) acc[(r0 + i) * nc + c] = joined(a[i][0], a[i][1]);
-    }
-    return;
-#endif
     if constexpr (C > 0 && NR * C <= 16) {  // all NR rows' weighted values in registers
       vec16 a[NR][C];
       for (int i = 0; i < NR; ++i)
@@ -151,6 +226,14 @@ struct ExtendTask {
         for (int i = 0; i < NR; ++i) acc[(r0 + i) * nc + c] = a[i];
       }
     }
+#endif
+  }
+
+  // Soft-capped scores (softcap * tanh(s / softcap)) where the model asks for them.
+  void cap(vec16& s) const {
+    if (softcap <= 0.f) return;
+    const float inv_cap = 1.f / softcap;
+    for (int j = 0; j < 16; ++j) s[j] = softcap * std::tanh(s[j] * inv_cap);
   }
 
   // q, out: the task's first query's row at its first head; pos0: that query's position;

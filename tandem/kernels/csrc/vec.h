@@ -49,17 +49,20 @@ inline float exp_nonpositive(float x) {
   return exp_reduced(x, n) * scale;
 }
 
-// exp_nonpositive of 16 floats: the same operations in each lane (the same results).
-inline vec16 exp_nonpositive16(vec16 x) {
-  x = x < -87.0f ? vec16{} - 87.0f : x;
-  const vec16 t = x * 1.44269504088896341f + 0.5f;
-  ivec16 ni = __builtin_convertvector(t, ivec16);  // toward zero, then down to floor(t)
-  ni += __builtin_convertvector(ni, vec16) > t;    // a true comparison is -1
-  const ivec16 bits = (ni + 127) << 23;
-  vec16 scale;
+// exp_nonpositive of 16 floats (V: vec16; on AVX2 also vec8, one register): the same
+// operations in each lane (the same results).
+template <typename V, typename IV>
+inline V exp_nonpositive_lanes(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  IV ni = __builtin_convertvector(t, IV);      // toward zero, then down to floor(t)
+  ni += __builtin_convertvector(ni, V) > t;    // a true comparison is -1
+  const IV bits = (ni + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return exp_reduced(x, __builtin_convertvector(ni, vec16)) * scale;
+  return exp_reduced(x, __builtin_convertvector(ni, V)) * scale;
 }
+inline vec16 exp_nonpositive16(vec16 x) { return exp_nonpositive_lanes<vec16, ivec16>(x); }
 
 // exp of 16 floats (V: vec16; on AVX2 also vec8, one register, the same operations in each
 // lane), for inputs from -87 (below: as at -87) to 88.72 (above: +inf, as float's exp overflows).
