@@ -4,6 +4,7 @@ shared by the native and the OpenAI-compatible routes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -15,9 +16,14 @@ from tandem.entrypoints.disconnect import ClientDisconnected, await_or_disconnec
 async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
     """Interleave the streams' chunks as (stream index, chunk), in arrival order.
 
-    Closing the merged iterator cancels the pumps, which closes (and so aborts) every
-    unfinished request.
+    Closing the merged iterator closes every stream (a single one directly, several by
+    cancelling their pump tasks), which aborts every unfinished request.
     """
+    if len(streams) == 1:  # read in place: no pump task and queue hop for every chunk
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for chunk in stream:
+                yield 0, chunk
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
