@@ -1,11 +1,10 @@
 """Turns logits into next tokens: greedy, or temperature / top-k / top-p / min-p sampling.
 
-Every row is sampled at once, with no loop over rows. A request without a seed draws one
-uniform from the sampler's generator and takes the token where it falls in the cumulative
-distribution (`categorical`). A request with `sampling_seed` uses the exponential-race form
-(argmax of p / E with E ~ Exp(1)) with noise from a counter-based hash of (seed, number of
-tokens generated so far, token id) computed as tensor operations, so its tokens do not
-depend on what else shares the batch, nor on the device. Top-k and top-p sort a row's
+Every row is sampled at once, with no loop over rows: each row's token is where one uniform
+falls in its cumulative distribution (`categorical`). A request without a seed takes its
+uniform from the sampler's generator; a request with `sampling_seed` from a counter-based
+hash of (seed, number of tokens generated so far) computed as tensor operations, so its
+tokens do not depend on what else shares the batch, nor on the device. Top-k and top-p sort a row's
 largest probabilities only (`TOP_CANDIDATES`) where those settle them. Penalties
 (`tandem.sampling.penalties`) adjust a copy of the logits first, then the requests'
 custom logit processors (`tandem.sampling.custom_logit_processor`) change their rows of
@@ -33,7 +32,7 @@ class SamplingBatchInfo:
     is_greedy: list[bool]
     seeds: torch.Tensor  # [bs, 2] int64: low and high 32 bits of each sampling_seed (0 without one)
     has_seed: torch.Tensor  # [bs] bool
-    output_lens: torch.Tensor  # [bs] int64 tokens generated so far, mixed into seeded noise
+    output_lens: torch.Tensor  # [bs] int64 tokens generated so far, mixed into seeded uniforms
     penalties: PenaltyBatch | None = None
     # The rows with a custom logit processor (--enable-custom-logit-processor); None: none.
     custom: CustomLogitBatch | None = None
@@ -87,11 +86,11 @@ class Sampler:
             return greedy_ids
         probs = sampling_probs(logits, info)
         seeded = bool(info.has_seed.any())
-        sampled = None if seeded and bool(info.has_seed.all()) else categorical(probs, self.generator)
+        u = None if seeded and bool(info.has_seed.all()) else generator_uniforms(probs, self.generator)
         if seeded:
-            noise = seeded_exponential(info.seeds, info.output_lens, probs.shape[-1])
-            raced = torch.argmax(probs / noise, dim=-1)
-            sampled = raced if sampled is None else torch.where(info.has_seed, raced, sampled)
+            hashed = seeded_uniforms(info.seeds, info.output_lens)
+            u = hashed if u is None else torch.where(info.has_seed.unsqueeze(1), hashed, u)
+        sampled = categorical(probs, u)
         is_greedy = torch.tensor(info.is_greedy, device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
 
@@ -107,17 +106,21 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per row of `probs` (non-negative, each row's sum > 0), drawn with one
-    uniform a row from `generator` by the inverse of the row's cumulative sum. (The
-    exponential race that seeded rows use needs a draw per token: a 49K vocabulary's noise
-    took longer than the forward of a 135M model.)"""
+def generator_uniforms(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One uniform in [0, 1) a row of `probs` ([rows, 1]), from `generator`."""
+    return torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=probs.dtype)
+
+
+def categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token id per row of `probs` (non-negative, each row's sum > 0): where the row's
+    uniform u ([rows, 1], in [0, 1)) falls in its cumulative distribution. (An exponential
+    race, argmax of p / E, needs a draw per token: at a 49K vocabulary the noise took
+    longer than the forward of a 135M model.)"""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     # Below the row's total (u * total can round up to it), so that the first cumulative sum
     # above it belongs to a token of positive probability.
-    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    point = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, point, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
@@ -148,27 +151,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_bits(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """32 hashed bits [bs, vocab] (int64) per (seed, output_len, token id)."""
+def seeded_uniforms(seeds: torch.Tensor, output_lens: torch.Tensor) -> torch.Tensor:
+    """A uniform [bs, 1] strictly inside (0, 1) that is a pure function of (seed,
+    output_len): a counter-based hash of the two, its top 23 bits."""
     key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(output_lens & _MASK32)))
-    counter = _mul32(torch.arange(vocab_size, device=seeds.device), _GOLDEN32)
-    return _mix32(_mix32((key.unsqueeze(1) + counter) & _MASK32) ^ key.unsqueeze(1))
+    return bits_to_uniform(_mix32(key ^ _GOLDEN32)).unsqueeze(1)
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
     """32 hashed bits -> a float32 uniform strictly inside (0, 1): the top 23 bits k give
-    (k + 0.5) * 2**-23, exact in float32 (24 significant bits), from 2**-24 to 1 - 2**-24.
-    (With 24 bits, (2**24 - 1 + 0.5) * 2**-24 rounds to 1.0 in float32: noise -log(1) = 0
-    let a token with p > 0 win outright (p / 0 = inf) and a filtered one become NaN
-    (0 / 0), which argmax picks.)"""
+    (k + 0.5) * 2**-23, exact in float32 (24 significant bits), from 2**-24 to 1 - 2**-24."""
     return ((bits >> 9).float() + 0.5) * 2.0**-23
-
-
-def seeded_exponential(seeds: torch.Tensor, output_lens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [bs, vocab] that is a pure function of (seed, output_len, token id):
-    a counter-based hash turned into a uniform in (0, 1) with 23 bits, then -log; every
-    value is finite and > 0."""
-    return -torch.log(bits_to_uniform(seeded_bits(seeds, output_lens, vocab_size)))
 
 
 # Top-k / top-p look at a row's largest probabilities, this many first, then more (at least

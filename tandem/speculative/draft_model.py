@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from tandem.forward_batch import ForwardBatch, ForwardMode
-from tandem.layers.sampler import SamplingBatchInfo, categorical, sampling_probs
+from tandem.layers.sampler import SamplingBatchInfo, categorical, generator_uniforms, sampling_probs
 from tandem.model_executor.model_runner import ModelRunner
 from tandem.scheduler.schedule_batch import Req
 from tandem.server_args import ServerArgs
@@ -122,5 +122,7 @@ class DraftModel:
         """Draft tokens (greedy rows: the argmax) and the distributions they were drawn from."""
         q = sampling_probs(logits, info)
         greedy = torch.tensor(info.is_greedy, device=logits.device)
-        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), categorical(q, self.runner.sampler.generator))
+        tokens = torch.where(
+            greedy, torch.argmax(logits, dim=-1), categorical(q, generator_uniforms(q, self.runner.sampler.generator))
+        )
         return tokens.tolist(), q

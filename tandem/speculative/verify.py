@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.sampler import Sampler, SamplingBatchInfo, categorical, sampling_probs
+from tandem.layers.sampler import Sampler, SamplingBatchInfo, categorical, generator_uniforms, sampling_probs
 
 
 @dataclass
@@ -109,4 +109,4 @@ def _rejection_sample(
     residual = (p - draft_probs).clamp(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
-    return accept, categorical(residual, sampler.generator)
+    return accept, categorical(residual, generator_uniforms(residual, sampler.generator))

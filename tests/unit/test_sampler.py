@@ -12,9 +12,10 @@ from tandem.layers.sampler import (
     _filter_probs,
     bits_to_uniform,
     categorical,
+    generator_uniforms,
     greedy,
-    seeded_bits,
-    seeded_exponential,
+    sampling_probs,
+    seeded_uniforms,
 )
 from tandem.sampling.sampling_params import SamplingParams
 
@@ -98,11 +99,12 @@ def test_filters_keep_what_the_definitions_keep():
 def test_categorical_draws_by_probability_and_never_a_zero():
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0, 0.0]]).expand(100000, -1).contiguous()
-    counts = torch.bincount(categorical(probs, g), minlength=6).float() / 100000
+    counts = torch.bincount(categorical(probs, generator_uniforms(probs, g)), minlength=6).float() / 100000
     assert counts[1] == counts[4] == counts[5] == 0
     assert torch.allclose(counts, probs[0], atol=0.01), counts
     tiny = torch.tensor([[1e-30, 0.0, 3e-30, 0.0]])  # a sum far from 1, zeros last
-    assert set(categorical(tiny.expand(1000, -1), g).tolist()) == {0, 2}
+    rows = tiny.expand(1000, -1)
+    assert set(categorical(rows, generator_uniforms(rows, g)).tolist()) == {0, 2}
 
 
 def test_sampling_respects_top_k():
@@ -130,15 +132,16 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert len(draws) > 1, "the step index must vary the draw"
 
 
-def test_seeded_noise_is_exponential_and_keyed():
-    """The hashed noise has Exp(1)'s mean and spread, and differs by seed and by step."""
-    seeds = torch.tensor([[7, 0], [7, 0], [8, 0], [7, 1]])
-    noise = seeded_exponential(seeds, torch.tensor([0, 1, 0, 0]), 20000)
-    assert noise.min() > 0
-    assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.std().item() - 1.0) < 0.03
-    for i in range(1, 4):
-        assert not torch.equal(noise[0], noise[i])
-    assert torch.equal(noise[0], seeded_exponential(seeds[:1], torch.tensor([0]), 20000)[0])
+def test_seeded_uniforms_are_uniform_and_keyed():
+    """The hashed uniforms have U(0, 1)'s mean and spread over steps, and differ by seed and
+    by step (the same key: the same uniform)."""
+    steps = torch.arange(20000)
+    u = seeded_uniforms(torch.tensor([[7, 0]]).expand(20000, -1), steps).squeeze(1)
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12**-0.5) < 0.01
+    keyed = seeded_uniforms(torch.tensor([[7, 0], [7, 0], [8, 0], [7, 1]]), torch.tensor([0, 1, 0, 0])).squeeze(1)
+    assert len(set(keyed.tolist())) == 4
+    assert keyed[0] == u[0]
 
 
 def test_seeded_draws_follow_the_distribution():
@@ -161,36 +164,23 @@ def test_unseeded_rows_follow_the_sampler_generator():
     assert a[0] == a[1] == b[0] and b[0] != b[1]
 
 
-# sampling_seed 1234 at step 9734091 hashes token 1 to 0xFFFFFFD2: its top 24 (and 23)
-# bits are all ones, the largest uniform the hash can give (found by a search, kept here).
-EXTREME_SEED, EXTREME_STEP, EXTREME_TOKEN = 1234, 9734091, 1
-
-
 def test_uniform_is_strictly_inside_0_1_in_float32():
-    """The extreme bit patterns give float32 uniforms strictly inside (0, 1), so the noise
-    -log(u) is finite and > 0 (24 bits gave exactly 1.0 at the top: noise 0)."""
+    """The extreme bit patterns give float32 uniforms strictly inside (0, 1) (24 bits gave
+    exactly 1.0 at the top)."""
     u = bits_to_uniform(torch.tensor([0, 0x1FF, 0xFFFFFE00, 0xFFFFFFFF], dtype=torch.int64))
     assert u.dtype == torch.float32
     assert (u > 0).all() and (u < 1).all(), u.tolist()
-    noise = -torch.log(u)
-    assert torch.isfinite(noise).all() and (noise > 0).all()
 
 
-def test_extreme_counter_gives_positive_noise():
-    seeds = info([SamplingParams(temperature=1.0, sampling_seed=EXTREME_SEED)], vocab=4).seeds
-    steps = torch.tensor([EXTREME_STEP])
-    assert (seeded_bits(seeds, steps, 4)[0, EXTREME_TOKEN] >> 8).item() == 2**24 - 1
-    noise = seeded_exponential(seeds, steps, 4)[0]
-    assert torch.isfinite(noise).all() and (noise > 0).all(), noise.tolist()
-
-
-def test_a_filtered_token_is_never_drawn_at_the_extreme_counter():
-    """Token 1 is removed by top-k, top-p or min-p; at the step where its uniform is the
-    largest the hash gives, the draw is still a kept token (it was NaN = 0/0, which argmax
-    picked), and the draw is the same on every call."""
+def test_a_filtered_token_is_never_drawn_at_the_extreme_uniforms():
+    """Token 1 is removed by top-k, top-p or min-p, token 3 by all of them (the last token
+    with p > 0 before the filters): the smallest and the largest uniform the hash gives, and
+    uniforms at the kept tokens' edges, still draw a kept token."""
     logits = torch.tensor([[4.0, 0.0, 3.5, -1.0]])
+    extremes = bits_to_uniform(torch.tensor([0, 0xFFFFFFFF], dtype=torch.int64))
     for extra in ({"top_k": 1}, {"top_p": 0.5}, {"min_p": 0.5}):
-        p = SamplingParams(temperature=1.0, sampling_seed=EXTREME_SEED, **extra)
-        out = Sampler(0, "cpu")(logits, info([p], vocab=4, output_lens=[EXTREME_STEP]))
-        assert out.item() != EXTREME_TOKEN, extra
-        assert out.item() in ({0} if "top_k" in extra or "top_p" in extra else {0, 2}), extra
+        probs = sampling_probs(logits, info([SamplingParams(temperature=1.0, **extra)], vocab=4))
+        edges = (probs.cumsum(-1) / probs.sum()).flatten()
+        for u in [*extremes.tolist(), *edges.tolist(), 1 - 2**-24]:
+            token = categorical(probs, torch.tensor([[u]])).item()
+            assert token in ({0} if "top_k" in extra or "top_p" in extra else {0, 2}), (extra, u)
