@@ -78,13 +78,20 @@ def launch_server(server_args: ServerArgs) -> None:
         kill_process_tree(os.getpid(), include_parent=False, sig=signal.SIGKILL)
 
 
+# An idle keep-alive connection is closed by the server only well after clients drop it
+# themselves (httpx and the openai client: 5 s, aiohttp: 15 s). With the two equal, a
+# client could send its next request on a connection the server was closing that moment:
+# a reset (httpx.ReadError) on a busy server.
+KEEP_ALIVE_S = 75
+
+
 def _uvicorn_config(app: FastAPI, server_args: ServerArgs) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level_http or server_args.log_level,
-        timeout_keep_alive=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=False,
     )
 

@@ -1,12 +1,15 @@
 """Bounded load (#8): hundreds of concurrent streams, a fifth of the clients leaving at
 random points and sending again at once with the same rid. No response is lost, the
-server stays healthy, and the idle memory invariant holds afterwards."""
+server stays healthy, and the idle memory invariant holds afterwards. Idle connections
+stay open past the time clients reuse them."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import random
+import select
 
 import httpx
 from http_helpers import DUPLICATE_RID, assert_memory_idle
@@ -70,3 +73,21 @@ def test_hundreds_of_streams_with_disconnects_and_reused_rids(server, client):
         assert last["meta_info"]["id"] == body.get("rid", last["meta_info"]["id"])
     assert client.get("/health").status_code == 200
     assert_memory_idle(client)
+
+
+HTTPX_KEEPALIVE_EXPIRY_S = 5.0  # httpx's default (the openai client's too)
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """The server keeps an idle connection open past the time clients reuse one: a client
+    must never send on a connection the server is closing (a reset under load)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+        readable, _, _ = select.select([conn.sock], [], [], HTTPX_KEEPALIVE_EXPIRY_S + 1)
+        assert not readable, "the server closed an idle connection that clients still reuse"
+        conn.request("GET", "/health")  # the same connection, still served
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
