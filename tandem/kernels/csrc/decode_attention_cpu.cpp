@@ -139,16 +139,18 @@ struct DecodeTask {
     }
   }
 
-  // AVX2, float32 values: the G queries of one KV head at a time, P registers of its dims a pass
-  // (G * P <= 8 accumulators, so that the P value vectors and the broadcast weight fit beside
-  // them: with 12 at G = 3 GCC spilled one, and 384 keys took 1.2x the time). Where the values
-  // were not asked for with the keys (too many for L2), each block of 8 keys asks for the rows
-  // of the block 3 ahead. The same sums in the same order as the generic loop.
+  // AVX2, float32 values: the G queries of one KV head at a time, P registers of its dims a pass:
+  // per key the G weights broadcast once, then each value vector loaded once and met by the G
+  // weights, so that G * P accumulators, G weights and one vector fit the 16 registers (P = 4 at
+  // G = 3: 2 passes over the keys instead of 4; with the vectors loaded first, 12 accumulators
+  // at G = 3 spilled one, and 384 keys took 1.2x the time). Where the values were not asked for
+  // with the keys (too many for L2), each block of 8 keys asks for the rows of the block 3
+  // ahead. The same sums in the same order as the generic loop.
   template <int G>
   void avx2_values(const float* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
                    int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {
     constexpr int kV = 2 * C;
-    constexpr int P = (kV % 8 == 0 && 8 * G <= 8) ? 8 : (kV % 4 == 0 && 4 * G <= 8) ? 4 : 2;
+    constexpr int P = (kV % 8 == 0 && 9 * G + 1 <= 16) ? 8 : (kV % 4 == 0 && 5 * G + 1 <= 16) ? 4 : 2;
     const bool ahead = len * row_elems * static_cast<int64_t>(sizeof(float)) > (256 << 10);
     for (int64_t h = 0; h < kv_count; ++h) {
       const float* p = scores + h * G * max_len;
@@ -165,11 +167,14 @@ struct DecodeTask {
           const int64_t t1 = std::min<int64_t>(t0 + 8, len);
           for (int64_t t = t0; t < t1; ++t) {
             const float* vrow = v + slots[t] * v_stride_s + h * stride_h + 8 * d0;
+            __m256 pg[G];
 #pragma GCC unroll 8
-            for (int g = 0; g < G; ++g) {
-              const __m256 pg = _mm256_broadcast_ss(p + g * max_len + t);
+            for (int g = 0; g < G; ++g) pg[g] = _mm256_broadcast_ss(p + g * max_len + t);
 #pragma GCC unroll 8
-              for (int d = 0; d < P; ++d) a[g][d] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vrow + 8 * d), a[g][d]);
+            for (int d = 0; d < P; ++d) {
+              const __m256 vd = _mm256_loadu_ps(vrow + 8 * d);
+#pragma GCC unroll 8
+              for (int g = 0; g < G; ++g) a[g][d] = _mm256_fmadd_ps(pg[g], vd, a[g][d]);
             }
           }
         }
