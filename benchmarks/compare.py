@@ -1514,9 +1514,10 @@ def render_gguf(rows: list[dict[str, Any]], args: argparse.Namespace, plan: Plan
         "waited for (`GET /health`), warmed up (16 concurrent short requests, then one), run through every "
         "workload `--repeats` times and stopped before the next starts.",
         "- Tandem: `python -m tandem.launch_server --model-path FILE --port P --log-level warning`, every "
-        "other flag at its default (dtype auto = bfloat16 on CPU; quantized kernels for the types it has).",
-        "- Tandem's bf16 rows: the BF16 file with default flags (the weights as bf16, oneDNN), and "
-        "`--linear-backend torch` on a quantized file (dequantized to bf16 at load, `F.linear`).",
+        "other flag at its default (dtype auto: bfloat16 activations where the CPU multiplies bfloat16 natively, "
+        "AVX-512 BF16 or AMX, float32 otherwise; quantized kernels for the types it has).",
+        "- Tandem's bf16 rows: the BF16 file with default flags (the weights in the activations' dtype, oneDNN), "
+        "and `--linear-backend torch` on a quantized file (dequantized at load to that dtype, `F.linear`).",
         "- llama.cpp: `"
         + " ".join(["llama-server", *llama_server_command(Path("FILE"), 0, args)[1:]]).replace("--port 0", "--port P")
         + "`; raw speed `"
