@@ -49,9 +49,7 @@ inline void softmax_scores(float* si, int64_t len, float& peak_out, float& total
   const int64_t whole = len / 8 * 8;
   __m256 m = _mm256_set1_ps(-INFINITY);
   for (int64_t t = 0; t < whole; t += 8) m = _mm256_max_ps(_mm256_loadu_ps(si + t), m);
-  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
-  float peak = _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps(m, 0xB1)));
+  float peak = max_lanes8(m);
   for (int64_t t = whole; t < len; ++t) peak = si[t] > peak ? si[t] : peak;
   const vec8 top = vec8{} + peak;
   __m256 sums = _mm256_setzero_ps();
@@ -60,9 +58,7 @@ inline void softmax_scores(float* si, int64_t len, float& peak_out, float& total
     _mm256_storeu_ps(si + t, e);
     sums = _mm256_add_ps(sums, e);
   }
-  sums = _mm256_add_ps(sums, _mm256_permute2f128_ps(sums, sums, 1));
-  sums = _mm256_add_ps(sums, _mm256_permute_ps(sums, 0x4E));
-  float total = _mm256_cvtss_f32(_mm256_add_ps(sums, _mm256_permute_ps(sums, 0xB1)));
+  float total = sum_lanes8(sums);
 #else
   const int64_t whole = len / 16 * 16;
   vec16 peaks16 = vec16{} - INFINITY;

@@ -132,10 +132,7 @@ inline float avx2_softmax_row(const float* sc, int64_t k0, int64_t lo, int64_t p
   const __m256 seen_lo = _mm256_and_ps(_mm256_cmp_ps(lane_lo, first, _CMP_GE_OQ), _mm256_cmp_ps(lane_lo, last, _CMP_LE_OQ));
   const __m256 seen_hi = _mm256_and_ps(_mm256_cmp_ps(lane_hi, first, _CMP_GE_OQ), _mm256_cmp_ps(lane_hi, last, _CMP_LE_OQ));
   const __m256 s_lo = _mm256_loadu_ps(sc), s_hi = _mm256_loadu_ps(sc + 8), none = _mm256_set1_ps(-INFINITY);
-  __m256 m = _mm256_max_ps(_mm256_blendv_ps(none, s_lo, seen_lo), _mm256_blendv_ps(none, s_hi, seen_hi));
-  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
-  const float block_peak = _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps(m, 0xB1)));
+  const float block_peak = max_lanes8(_mm256_max_ps(_mm256_blendv_ps(none, s_lo, seen_lo), _mm256_blendv_ps(none, s_hi, seen_hi)));
   if (block_peak == -INFINITY) {  // the row sees no key of this block: nothing changes
     std::memset(w, 0, kKeys * sizeof(float));
     return 1.f;
@@ -145,10 +142,7 @@ inline float avx2_softmax_row(const float* sc, int64_t k0, int64_t lo, int64_t p
   const __m256 p_lo = _mm256_and_ps(exp_nonpositive_lanes<vec8, ivec8>(s_lo - top), seen_lo);
   const __m256 p_hi = _mm256_and_ps(exp_nonpositive_lanes<vec8, ivec8>(s_hi - top), seen_hi);
   _mm256_storeu_ps(w, p_lo), _mm256_storeu_ps(w + 8, p_hi);
-  __m256 t = _mm256_add_ps(p_lo, p_hi);
-  t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 1));
-  t = _mm256_add_ps(t, _mm256_permute_ps(t, 0x4E));
-  const float sum = _mm256_cvtss_f32(_mm256_add_ps(t, _mm256_permute_ps(t, 0xB1)));
+  const float sum = sum_lanes8(_mm256_add_ps(p_lo, p_hi));
   const float rescale = peak == -INFINITY || new_peak == peak ? 1.f : exp_nonpositive(peak - new_peak);
   total = total * rescale + sum;
   peak = new_peak;

@@ -190,6 +190,17 @@ inline void transpose8(__m256* r) {
     r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
   }
 }
+// The largest and the sum of one register's 8 lanes (halves, then pairs of pairs, then pairs).
+inline float max_lanes8(__m256 m) {
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
+  return _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_permute_ps(m, 0xB1)));
+}
+inline float sum_lanes8(__m256 t) {
+  t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 1));
+  t = _mm256_add_ps(t, _mm256_permute_ps(t, 0x4E));
+  return _mm256_cvtss_f32(_mm256_add_ps(t, _mm256_permute_ps(t, 0xB1)));
+}
 // Lane j of the result is the sum of v[j]'s 8 lanes (horizontal adds of pairs, then halves).
 inline __m256 lane_sums8(const __m256* v) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
