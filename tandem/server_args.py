@@ -151,6 +151,11 @@ class ServerArgs:
             # As SGLang for NGRAM and draft models: speculation runs the normal loop.
             self.disable_overlap_schedule |= self.speculative_algorithm is not None
 
+    @property
+    def local_scheduler_ranks(self) -> int:
+        """The scheduler processes on each machine (every replica's ranks on this node)."""
+        return self.dp_size * self.tp_size // self.nnodes
+
     def validate(self) -> None:
         """Raise ValueError for values that can never work, naming the flag; log each
         accepted SGLang flag that has no effect in this build."""

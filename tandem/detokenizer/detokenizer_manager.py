@@ -26,6 +26,7 @@ from tandem.messages import (
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.tokenizer.multi_tokenizer import OutputSender
 from tandem.utils import zmq_io
+from tandem.utils.cpu_threads import front_end_cpu, keep_threads_to
 from tandem.utils.process import (
     configure_logging,
     ignore_stop_signals,
@@ -102,6 +103,9 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
         logger.error("detokenizer failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process="detokenizer", ok=False, error=f"{type(e).__name__}: {e}"))
         sys.exit(1)
+    front = front_end_cpu(server_args.device, server_args.local_scheduler_ranks)
+    if front is not None:  # tandem/utils/cpu_threads.py, "Placement"
+        keep_threads_to(front)
     zmq_io.send(ready, ReadyMessage(process="detokenizer"))
     try:
         manager.event_loop()

@@ -23,6 +23,7 @@ from tandem.entrypoints.tokenizer_workers import serve_with_workers
 from tandem.metrics.collector import enable_multiprocess_metrics
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.tokenizer.tokenizer_manager import TokenizerManager
+from tandem.utils.cpu_threads import front_end_cpu, keep_threads_to
 from tandem.utils.process import (
     configure_logging,
     exit_now,
@@ -48,6 +49,9 @@ def launch_server(server_args: ServerArgs) -> None:
         return
     set_process_name("tandem::server")  # the command line stays as it was, for scripts
     procs: ServerProcesses = launch_subprocesses(server_args)
+    front = front_end_cpu(server_args.device, server_args.local_scheduler_ranks)
+    if front is not None and server_args.tokenizer_worker_num == 1:  # after the children started: not theirs
+        keep_threads_to(front)  # tandem/utils/cpu_threads.py, "Placement"
     if server_args.enable_metrics:  # before any TokenizerManager, in this process or a worker
         enable_multiprocess_metrics(procs.port_args.ipc_dir)
 

@@ -9,7 +9,7 @@ PyTorch, with `-O3 -march=native` (the build is for this machine's CPU), into
 `$TANDEM_KERNEL_CACHE` (default `~/.cache/tandem/kernels`) under a name that hashes the
 sources, the flags, PyTorch's version and the CPU, so a change of any of them rebuilds.
 `make install` builds it (`python -m tandem.kernels.cpu`); otherwise the first server
-start on a machine does (about 35 seconds on 2 cores, the five sources compiled side by side).
+start on a machine does (about 35 seconds on 2 cores, the six sources compiled side by side).
 Concurrent builds (tensor-parallel ranks starting together) each work in a temporary
 directory and rename the library into place.
 """
@@ -38,6 +38,7 @@ SOURCES = (
     CSRC / "elementwise_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
     CSRC / "decode_layer_cpu.cpp",
+    CSRC / "threads_cpu.cpp",
 )
 HEADERS = (CSRC / "vec.h", CSRC / "ops.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-w")

@@ -35,7 +35,7 @@ from tandem.scheduler.forward_watchdog import ForwardWatchdog
 from tandem.scheduler.profiler import SchedulerProfiler
 from tandem.scheduler.schedule_batch import ModelWorkerBatch, ScheduleBatch
 from tandem.scheduler.tp_worker import GenerationBatchResult, HostBatchResult, TpModelWorker
-from tandem.utils.cpu_threads import ComputeThreads
+from tandem.utils.cpu_threads import ComputeThreads, bind_compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,12 @@ class ForwardExecutor:
         self.worker = worker
         self.compute_threads = ComputeThreads.for_device(str(worker.device), ranks=ranks)
         self.stats = ForwardStats()
+        self._bind_front: int | None = None
+
+    def bind_cpus(self, front: int) -> None:
+        """Bind the compute threads, from the next forward on (on the thread that runs it),
+        and this process's other threads to CPU `front` (tandem/utils/cpu_threads.py, "Placement")."""
+        self._bind_front = front
 
     def launch(self, mwb: ModelWorkerBatch) -> Future[GenerationBatchResult]:
         future: Future[GenerationBatchResult] = Future()
@@ -89,6 +95,10 @@ class ForwardExecutor:
 
     def _run(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         mode = mwb.forward_batch.forward_mode
+        if self._bind_front is not None:
+            team = self.compute_threads.cores if self.compute_threads is not None else torch.get_num_threads()
+            bind_compute_threads(team, self._bind_front)
+            self._bind_front = None
         if self.compute_threads is not None:
             # NOTE: per thread: the forward's own. A speculative verify forward (an EXTEND of
             # a few tokens per request) takes the decode step's count.

@@ -19,6 +19,7 @@ from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.scheduler_io import make_scheduler_io
 from tandem.server_args import PortArgs, ServerArgs
 from tandem.utils import zmq_io
+from tandem.utils.cpu_threads import front_end_cpu
 from tandem.utils.process import (
     configure_logging,
     ignore_stop_signals,
@@ -60,6 +61,9 @@ def run_scheduler_process(
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         zmq_io.send(ready, ReadyMessage(process=name, ok=False, error=f"{type(e).__name__}: {e}"))
         sys.exit(1)
+    front = front_end_cpu(server_args.device, server_args.local_scheduler_ranks)
+    if front is not None:
+        scheduler.executor.bind_cpus(front)
     zmq_io.send(ready, ReadyMessage(process=name, info=scheduler.info()))
     scheduler.watchdog.start(on_timeout=report_scheduler_failure)
     try:

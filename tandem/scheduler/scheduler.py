@@ -128,8 +128,8 @@ class Scheduler:
 
         self.enable_overlap = not server_args.disable_overlap_schedule
         executor_cls = ForwardThread if self.enable_overlap else ForwardExecutor
-        # The scheduler processes sharing this machine's cores (every replica's ranks on this node).
-        self.executor = executor_cls(self.worker, ranks=server_args.dp_size * server_args.tp_size // server_args.nnodes)
+        # The scheduler processes sharing this machine's cores.
+        self.executor = executor_cls(self.worker, ranks=server_args.local_scheduler_ranks)
         # --watchdog-timeout; `forward_stamp` is shared with the main process (its /health).
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout, forward_stamp)
         self.profiler = SchedulerProfiler(tp_rank, dp_rank)

@@ -229,3 +229,32 @@ def test_health_generate_answers_from_progress_or_a_probe(tiny_llama_dir):
             for p in spawned:
                 p.resume()
         assert httpx.get(server.base_url + "/health_generate", timeout=30).status_code == 200
+
+
+def _allowed_cpus(proc: psutil.Process) -> dict[int, set[int]]:
+    """The CPUs each thread of `proc` may run on, by thread id."""
+    return {t.id: os.sched_getaffinity(t.id) for t in proc.threads()}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placement needs two CPUs")
+def test_one_scheduler_on_cpu_binds_its_compute_threads_and_keeps_the_rest_to_the_last_cpu(tiny_llama_dir):
+    """tandem/utils/cpu_threads.py, "Placement": the scheduler's forward thread on the first
+    CPU, every thread of the HTTP and detokenizer processes on the last; TANDEM_CPU_BIND=0
+    leaves every thread free."""
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = {cpus[0]}, {cpus[-1]}
+    prompt = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"]) as server:
+        assert httpx.post(server.base_url + "/generate", json=prompt).status_code == 200  # a forward: bound by now
+        children = _children(server)
+        scheduler = _allowed_cpus(children["tandem::scheduler_TP0"])
+        assert scheduler[children["tandem::scheduler_TP0"].pid] == first, scheduler
+        assert all(len(allowed) == 1 for allowed in scheduler.values()), scheduler
+        assert last in scheduler.values(), "its other threads (ZMQ I/O, OpenMP's last) on the last CPU"
+        for proc in (children["tandem::detokenizer"], psutil.Process(server.proc.pid)):
+            allowed = _allowed_cpus(proc)
+            assert all(a == last for a in allowed.values()), (proc.name(), allowed)
+    with ServerHandle(tiny_llama_dir, extra_args=["--skip-server-warmup"], env={"TANDEM_CPU_BIND": "0"}) as server:
+        assert httpx.post(server.base_url + "/generate", json=prompt).status_code == 200
+        procs = [psutil.Process(server.proc.pid), *_children(server).values()]
+        assert all(a == set(cpus) for p in procs for a in _allowed_cpus(p).values())

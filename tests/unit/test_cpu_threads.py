@@ -1,12 +1,28 @@
 """The CPU compute-thread policy: every core for prefill; decode starts on every core but
-one and probes the other count now and then, keeping whichever measured faster."""
+one and probes the other count now and then, keeping whichever measured faster. And where
+the threads run (placement: which servers bind, and the team's binding itself)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from tandem.forward_batch import ForwardMode
-from tandem.utils.cpu_threads import FIRST_PROBE_AFTER, PROBE_EVERY, PROBE_STEPS, ComputeThreads
+from tandem.kernels import cpu as cpu_kernels
+from tandem.utils.cpu_threads import (
+    BIND_ENV,
+    FIRST_PROBE_AFTER,
+    PROBE_EVERY,
+    PROBE_STEPS,
+    USER_BINDING_ENV,
+    ComputeThreads,
+    front_end_cpu,
+)
 
 
 def run_decode(policy: ComputeThreads, steps: int, seconds_at: dict[int, float], bs=4) -> list[int]:
@@ -125,3 +141,51 @@ def test_no_policy_on_gpu_or_when_omp_threads_are_set(monkeypatch):
     assert ComputeThreads.for_device("cuda") is None
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert ComputeThreads.for_device("cpu") is None
+
+
+def test_the_front_end_cpu_only_for_one_scheduler_on_a_cpu(monkeypatch):
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    for var in USER_BINDING_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    assert front_end_cpu("cpu", 1) == 3, "the last CPU this process may use"
+    assert front_end_cpu("cuda", 1) is None
+    assert front_end_cpu("cpu", 2) is None, "ranks split the cores: nothing bound"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert front_end_cpu("cpu", 1) is None, "one CPU: nothing to keep apart"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv(BIND_ENV, "0")
+    assert front_end_cpu("cpu", 1) is None
+    monkeypatch.delenv(BIND_ENV)
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    assert front_end_cpu("cpu", 1) is None, "the user binds OpenMP's threads"
+
+
+# Run in a child process: binding would pin the test process's own threads.
+BIND_CHILD = """
+import json, os, threading, torch
+from tandem.kernels import cpu
+ops = cpu.load()
+cpus = sorted(os.sched_getaffinity(0))[:2]
+first = list(ops.bind_threads(cpus))
+torch.set_num_threads(1)
+torch.ones(1 << 20).sum()
+torch.set_num_threads(2)
+(torch.ones(1 << 22) * 2).sum()  # regions of PyTorch's own, on the same team
+second = list(ops.bind_threads(cpus))
+allowed = {t: sorted(os.sched_getaffinity(t)) for t in first}
+print(json.dumps({"cpus": cpus, "first": first, "second": second, "allowed": allowed, "me": threading.get_native_id()}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two CPUs")
+def test_bind_threads_binds_each_member_of_the_team_to_its_cpu():
+    if cpu_kernels.load() is None:
+        pytest.skip("the C++ kernels are not built")
+    out = subprocess.run([sys.executable, "-c", BIND_CHILD], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    cpus, first = got["cpus"], got["first"]
+    assert len(first) == 2 and len(set(first)) == 2
+    assert first[0] == got["me"], "the calling thread is member 0"
+    assert got["second"] == first, "later regions reuse the same threads, member for member"
+    assert [got["allowed"][str(t)] for t in first] == [[c] for c in cpus]
