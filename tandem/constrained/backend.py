@@ -55,7 +55,6 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: list[int],
         any_whitespace: bool = True,
-        compile_threads: int = 1,
     ):
         """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's
         (padded vocabularies): the ids past the tokenizer's are never allowed."""
@@ -63,7 +62,10 @@ class GrammarBackend:
         self.stop_token_ids = sorted(stop_token_ids)
         self.any_whitespace = any_whitespace
         self._load(tokenizer)
-        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # Its thread started now, not at the first grammar: started by a bound forward thread
+        # it would share that thread's CPU (tandem/utils/cpu_threads.py, "Placement").
+        self._pool.submit(int).result()
         self._cache: collections.OrderedDict[GrammarKey, Future] = collections.OrderedDict()
 
     def compile(self, key: GrammarKey) -> Future:

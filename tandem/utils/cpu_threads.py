@@ -51,7 +51,6 @@ import contextlib
 import logging
 import os
 import statistics
-import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -170,15 +169,13 @@ def keep_threads_to(cpu: int, spare: Collection[int] = ()) -> None:
 def bind_compute_threads(threads: int, front: int) -> list[int]:
     """On the thread that runs the forwards: member i of its OpenMP team of `threads` onto
     the i-th CPU this thread may use, and the process's other threads onto `front`; returns
-    the team's thread ids (only this thread's where the C++ kernels are not built: PyTorch's
-    own team is then left unbound)."""
-    cpus = sorted(os.sched_getaffinity(0))[: max(1, threads)]
+    the team's thread ids. Without the C++ kernels nothing is bound (PyTorch's OpenMP threads
+    cannot be told from the others) and the list is empty."""
     ops = cpu_kernels.load()
-    if ops is not None:
-        team = list(ops.bind_threads(cpus))
-    else:
-        os.sched_setaffinity(0, {cpus[0]})
-        team = [threading.get_native_id()]
+    if ops is None:
+        return []
+    cpus = sorted(os.sched_getaffinity(0))[: max(1, threads)]
+    team = list(ops.bind_threads(cpus))
     keep_threads_to(front, spare=team)
     logger.info("compute threads bound to CPUs %s; the server's other threads to CPU %d", cpus[: len(team)], front)
     return team

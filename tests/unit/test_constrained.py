@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -243,6 +244,23 @@ def test_compile_cache_is_keyed_by_kind_and_value(tiny_llama_dir, name):
     a.result(timeout=30)
     with pytest.raises(ValueError, match="sampling_params.json_schema: invalid json_schema"):
         backend.compile(("json_schema", "{nope")).result(timeout=30)
+
+
+def _compile_threads() -> set[int]:
+    return {t.native_id for t in threading.enumerate() if t.name.startswith("grammar-compile")}
+
+
+def test_the_compile_thread_starts_with_the_backend(tiny_llama_dir):
+    """Not at the first grammar: a thread started then by a scheduler's bound forward thread
+    would share that thread's CPU (tandem/utils/cpu_threads.py, "Placement")."""
+    tok = load_tokenizer(str(tiny_llama_dir))
+    before = _compile_threads()
+    backend = create_grammar_backend("xgrammar", tok, len(tok), [tok.eos_token_id])
+    started = _compile_threads() - before
+    assert len(started) == 1
+    backend.compile(("regex", "a+")).result(timeout=30)
+    backend.compile(("regex", "b+")).result(timeout=30)
+    assert _compile_threads() - before == started, "the grammars compiled on that thread"
 
 
 @pytest.mark.parametrize(
