@@ -41,7 +41,10 @@ a streamed request ~17% faster, 16 and 64 concurrent streams faster too.
 Not bound: GPUs, several scheduler ranks on the machine (tensor or data parallel), tokenizer
 workers (their processes are left free; the scheduler still binds), an Engine's own process
 (the caller's), `TANDEM_CPU_BIND=0`, and where the user binds OpenMP threads
-(OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY).
+(OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY); without the C++ kernels the scheduler binds
+nothing (the front end still keeps to the last CPU). A thread that the bound forward thread
+starts later shares its CPU, so the scheduler's helper threads start before the binding (the
+grammar backend's compile thread among them).
 """
 
 from __future__ import annotations
