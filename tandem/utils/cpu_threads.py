@@ -34,10 +34,11 @@ to the last CPU: the HTTP process, the detokenizer, and the scheduler's other th
 ZMQ I/O threads). A streamed token wakes about six threads across those processes (~1 ms of
 CPU a token on 2 cores); unbound, each wake-up lands on whichever core the OS picks and
 stalls the decode region's other thread at its next barrier, whichever thread it preempted.
-Bound, they share the last core with the last compute thread, whose share of each linear
-layer the others take over (ops.h, `Share`), and never preempt the first, which runs the
-step's one-thread phases. Measured on 2 cores (docs/perf-log/avx2-step-floor.md, "Placement"):
-a streamed request ~17% faster, 16 and 64 concurrent streams faster too.
+Bound, they share the last core with the last compute thread (whose share of a linear layer
+of 2 MB or more the others take over: ops.h, `Share`) and never preempt the first, which runs
+the step's one-thread phases and the scheduler's Python. Measured on 2 cores
+(docs/perf-log/avx2-step-floor.md, "Placement"): one stream served 8-25% faster; 16 and 64
+concurrent streams alike within the noise.
 Not bound: GPUs, several scheduler ranks on the machine (tensor or data parallel), tokenizer
 workers (their processes are left free; the scheduler still binds), an Engine's own process
 (the caller's), `TANDEM_CPU_BIND=0`, and where the user binds OpenMP threads
