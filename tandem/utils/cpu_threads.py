@@ -28,15 +28,16 @@ The ranks of a tensor-parallel group on one machine split its cores evenly (each
 OMP_NUM_THREADS, when set, fixes the count for everything.
 
 Placement. A server with one scheduler on a CPU binds its compute threads, member i of the
-forward's OpenMP team to the i-th CPU it may use (the forward's own thread, which also runs
-the scheduler's Python between steps, to the first), and keeps everything else of the server
+forward's OpenMP team to the i-th CPU it may use (the forward's own thread, which in the
+normal loop also runs the scheduler's Python between steps, to the first; in the overlap loop
+the scheduler's thread keeps to the last CPU with the rest), and keeps everything else of the server
 to the last CPU: the HTTP process, the detokenizer, and the scheduler's other threads (its
 ZMQ I/O threads). A streamed token wakes about six threads across those processes (~1 ms of
 CPU a token on 2 cores); unbound, each wake-up lands on whichever core the OS picks and
 stalls the decode region's other thread at its next barrier, whichever thread it preempted.
 Bound, they share the last core with the last compute thread (whose share of a linear layer
 of 2 MB or more the others take over: ops.h, `Share`) and never preempt the first, which runs
-the step's one-thread phases and the scheduler's Python. Measured on 2 cores
+the step's one-thread phases (and, in the normal loop, the scheduler's Python). Measured on 2 cores
 (docs/perf-log/avx2-step-floor.md, "Placement"): one stream served 8-25% faster; 16 and 64
 concurrent streams alike within the noise.
 Not bound: GPUs, several scheduler ranks on the machine (tensor or data parallel), tokenizer
