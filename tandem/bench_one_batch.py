@@ -96,6 +96,7 @@ class OneBatchBench:
             runner.head_dim,
             bandwidth,
             matmul_flops,
+            runner.kv_cache_dtype,
         ).floor_s
 
     def _sync(self) -> None:

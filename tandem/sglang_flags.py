@@ -50,6 +50,10 @@ def _at_least(low: int) -> Callable[[Any], bool]:
 # to the GGUF type of that name (tandem.layers.quantization.gguf_linear.quantize_dense).
 QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1")
 
+# `--kv-cache-dtype` values built: auto (the activations' dtype) and the dtypes by name
+# (tandem.model_executor.model_runner.resolve_kv_cache_dtype says which pairs run).
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
 _OFF = _is(None, False)
 _INT = {"type": int}
 _FLAG = {"action": "store_true"}
@@ -104,8 +108,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         "kv_cache_dtype",
         ("--kv-cache-dtype",),
-        "a KV cache dtype other than the model's is not built yet (only auto)",
-        _is("auto"),
+        "fp8 / fp4 KV caches are not built; the dtypes built are " + ", ".join(KV_CACHE_DTYPES),
+        _is(*KV_CACHE_DTYPES),
     ),
     CompatFlag(
         "quantization",

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 
 from tandem.forward_batch import ForwardBatch, ForwardMode
-from tandem.model_executor.model_runner import ModelRunner
+from tandem.model_executor.model_loader import load_config
+from tandem.model_executor.model_runner import ModelRunner, resolve_dtype
 from tandem.server_args import ServerArgs
 
 
@@ -29,6 +30,11 @@ def make_runner(model_dir, **overrides) -> ModelRunner:
     kwargs.update(overrides)
     args = ServerArgs(**kwargs)
     args.validate()
+    if "kv_cache_dtype" not in overrides:
+        # the activations' dtype, as the references these runners meet keep theirs (auto gives
+        # quantized models a float16 cache: tests/unit/test_kv_cache_dtype.py bounds it)
+        dtype = resolve_dtype(args.dtype, load_config(args.model_path), args.device)
+        args.kv_cache_dtype = str(dtype).removeprefix("torch.")
     return ModelRunner(args)
 
 

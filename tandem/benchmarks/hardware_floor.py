@@ -106,12 +106,15 @@ def decode_floor(
     head_dim: int,
     bandwidth: float,
     matmul_flops: float,
+    kv_dtype: torch.dtype | None = None,
 ) -> DecodeFloor:
-    """The floor of one decode step of requests with KV lengths `seq_lens`."""
+    """The floor of one decode step of requests with KV lengths `seq_lens` (the KV cache in
+    `kv_dtype`, `dtype` when None)."""
     size = torch.tensor([], dtype=dtype).element_size()
     weights = dense_weight_elements(model, len(seq_lens))
     tokens = sum(seq_lens)
-    kv_bytes = tokens * num_layers * 2 * num_kv_heads * head_dim * size
+    kv_size = size if kv_dtype is None else torch.tensor([], dtype=kv_dtype).element_size()
+    kv_bytes = tokens * num_layers * 2 * num_kv_heads * head_dim * kv_size
     bytes_read = linear_weight_bytes(model, len(seq_lens), size) + kv_bytes
     flops = 2 * len(seq_lens) * weights + 4 * tokens * num_layers * num_heads * head_dim
     floor_s = max(bytes_read / bandwidth, flops / matmul_flops)

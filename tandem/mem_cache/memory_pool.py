@@ -100,9 +100,11 @@ class TokenToKVPool:
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The tokens' keys and values [n, kv_heads, head_dim] into `slots` of the layer (on CPU
-        in one call of Tandem's C++ `kv_write` where the dtypes already match)."""
+        in one call of Tandem's C++ `kv_write` where the dtypes match, or float32 rows go into
+        a 16-bit pool)."""
         k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
-        ops = cpu_kernels.ops_for(k, v, k_buffer)
+        mixed = k.dtype == torch.float32 and self.dtype in (torch.bfloat16, torch.float16)
+        ops = cpu_kernels.ops_for(k, v) if mixed and k_buffer.is_cpu else cpu_kernels.ops_for(k, v, k_buffer)
         if ops is not None and slots.dtype == torch.int64 and k.stride(-1) == v.stride(-1) == 1:
             ops.kv_write(k_buffer, v_buffer, slots, k, v)
             return

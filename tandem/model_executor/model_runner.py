@@ -133,6 +133,32 @@ def resolve_dtype(dtype: str, config, device: str, native_bf16: bool | None = No
     return torch.bfloat16
 
 
+_KV_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, dtype: torch.dtype, device: str, quantized: bool = False
+) -> torch.dtype:
+    """`--kv-cache-dtype`. auto: the activations' `dtype`, but float16 on CPU where linear layers
+    run `quantized`, float32 activations rounded to int8 for them (a GGUF file's blocks or
+    --quantization q* under --dtype auto; no exact float32 reference any more), as llama.cpp
+    keeps the same file's cache: half the bytes a decode step's attention reads (0.80-0.91 of
+    the step of the default model's Q4_0 file on 2 Zen 3 cores, docs/perf-log/kv-cache-dtype.md).
+    A dtype by name must be the activations', or on CPU bfloat16 / float16 beside float32
+    activations (keys and values rounded as they are written, widened to float32 as attention
+    reads them). ValueError for any other pair."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if quantized and device == "cpu" and dtype == torch.float32 else dtype
+    kv = getattr(torch, _KV_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype))
+    if kv == dtype or (device == "cpu" and dtype == torch.float32 and kv in (torch.bfloat16, torch.float16)):
+        return kv
+    where = "on CPU" if device == "cpu" else f"on {device} (a KV dtype other than the activations' is CPU-only)"
+    raise ValueError(
+        f"--kv-cache-dtype {kv_cache_dtype} with {str(dtype).removeprefix('torch.')} activations {where}: "
+        "the KV cache takes the activations' dtype, or bfloat16 / float16 beside float32 activations on CPU"
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -152,6 +178,10 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         torch.manual_seed(server_args.random_seed)
         self._load_model(tp_rank, tp_size)
+        # Linear layers whose quantized kernels round float32 activations to int8 (a GGUF file's blocks or
+        # --quantization q* under --dtype auto): auto keeps their KV in float16.
+        quantized = any(getattr(getattr(m, "quant_kernel", None), "int8_x", False) for m in self.model.modules())
+        self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.dtype, self.device, quantized)
         self.context_len = server_args.context_length or self.config.max_position_embeddings
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(
@@ -263,7 +293,9 @@ class ModelRunner:
 
     def _init_memory_pools(self) -> None:
         args = self.server_args
-        per_token = TokenToKVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        per_token = TokenToKVPool.bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_cache_dtype
+        )
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         if args.max_total_tokens:
             total = args.max_total_tokens
@@ -280,12 +312,13 @@ class ModelRunner:
             self.max_running_requests, self.context_len + 4, self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            total, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device
+            total, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_cache_dtype, self.device
         )
         logger.info(
-            "KV cache: %d tokens (%.1f MB), max running requests %d",
+            "KV cache: %d tokens (%.1f MB, %s), max running requests %d",
             total,
             total * per_token / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_running_requests,
         )
 

@@ -374,14 +374,18 @@ class DecoderModel(nn.Module):
     def _fused_decode_tables(self, hidden, cos_sin, fb, ctx):
         """The attention tables for `DecoderLayer.forward_fused` when this forward may run
         its layers so: a plain decode on the C++ CPU kernels, of rows few enough for every
-        fused layer's quantized matmuls (`QuantLinearKernel.max_rows`), the pool, rotation and
-        activations in one dtype, and no LoRA adapter in the batch."""
+        fused layer's quantized matmuls (`QuantLinearKernel.max_rows`), rotation and
+        activations in one dtype, the pool in it too or 16-bit beside float32 activations
+        (--kv-cache-dtype), and no LoRA adapter in the batch."""
         max_rows = min((f[3] for layer in self.layers if (f := layer.fused_decode) is not None), default=0)
         if fb.batch_size > max_rows or hidden.dim() != 2 or fb.out_cache_loc.dtype != torch.int64:
             return None
         if ctx.lora is not None:  # the fused layer adds no LoRA delta
             return None
-        if not (hidden.dtype == cos_sin.dtype == ctx.kv_pool.dtype) or not hidden.is_cpu:
+        pool_ok = ctx.kv_pool.dtype == hidden.dtype or (
+            hidden.dtype == torch.float32 and ctx.kv_pool.dtype in (torch.bfloat16, torch.float16)
+        )
+        if hidden.dtype != cos_sin.dtype or not pool_ok or not hidden.is_cpu:
             return None
         return ctx.attn_backend.cpu_decode_tables(fb)
 

@@ -85,6 +85,8 @@ def test_every_sglang_flag(flag, caplog):
         (["--load-format", "safetensors"], "load_format", "safetensors"),
         (["--page-size", "1"], "page_size", 1),
         (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
+        (["--kv-cache-dtype", "fp16"], "kv_cache_dtype", "fp16"),
+        (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype", "bfloat16"),
         (["--attention-backend", "torch_native"], "attention_backend", "torch_native"),
         (["--attention-backend", "triton"], "attention_backend", "triton"),
         (["--disable-cuda-graph"], "disable_cuda_graph", True),

@@ -84,30 +84,40 @@ inline void softmax_scores(float* si, int64_t len, float& peak_out, float& total
 // One task: one request, KV heads [h0, h0 + kv_count) and their `group` query heads each
 // (queries `kv_count * group`, query head i reads KV head h0 + i / group). Per key slot the
 // task reads the rows of all its KV heads, which lie side by side in the pool, so a
-// request's keys and values stream from memory once. C: head_dim / 16 when a compile-time
-// constant, else 0 and `chunks` says it.
-template <typename T, int C>
+// request's keys and values stream from memory once. Q: the queries' and output's dtype, T:
+// the pool's (Q itself, or a 16-bit pool beside float32 queries: --kv-cache-dtype), each row
+// widened to float32 as it is read. C: head_dim / 16 when a compile-time constant, else 0 and
+// `chunks` says it.
+template <typename Q, typename T, int C>
 struct DecodeTask {
   // bfloat16 rows of whole 32-element pairs of vectors
   static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && C > 0 && C % 2 == 0;
 #if defined(__AVX512BF16__)
   // keys scored by VDPBF16PS (pairs of products summed in float32: the same products, exact in
   // float32, summed in another order), the query unscaled and the sums scaled after
-  static constexpr bool kDotPairs = kPairs;
+  static constexpr bool kDotPairs = kPairs && std::is_same_v<Q, c10::BFloat16>;
 #else
   static constexpr bool kDotPairs = false;
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // rows the AVX2 loops below widen 8 at a time (float16 by F16C)
+  static constexpr bool kAvx2Rows = C > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>
+#if defined(__F16C__)
+                                               || std::is_same_v<T, c10::Half>
+#endif
+                                               );
 #endif
   int64_t group, chunks;
   float scale;
   float softcap;  // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping)
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  // AVX2, float32 rows (a vec16 is two registers there, and GCC spilled the generic loops'
-  // vec16 arrays to the stack): the keys 8 at a time per query, one register of products a key
-  // (the query's vectors read from L1 as operands), the 8 sums by one lane_sums8; scores of keys
-  // past `len` in the last block of 8 are computed from the last key and never read. The same
-  // products as the generic loop, summed in another order.
-  void avx2_scores(const float* qf, const float* k, const float* v, int64_t k_stride_s, int64_t v_stride_s,
+  // AVX2 (a vec16 is two registers there, and GCC spilled the generic loops' vec16 arrays to the
+  // stack): the keys 8 at a time per query, one register of products a key (the query's vectors
+  // read from L1 as operands; a 16-bit key widened as it is loaded), the 8 sums by one
+  // lane_sums8; scores of keys past `len` in the last block of 8 are computed from the last key
+  // and never read. The same products as the generic loop, summed in another order.
+  void avx2_scores(const float* qf, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
                    int64_t stride_h, int64_t kv_count, const int64_t* slots, int64_t len, int64_t max_len,
                    float* scores, int64_t row_elems, bool values_early) const {
     constexpr int kV = 2 * C;  // registers of one head's row
@@ -117,25 +127,25 @@ struct DecodeTask {
         if (j + 32 < len) prefetch_row(k + slots[j + 32] * k_stride_s, row_elems);
         if (values_early) prefetch_row(v + slots[j] * v_stride_s, row_elems);
       }
-      const float* rows[8];
+      const T* rows[8];
       for (int j = 0; j < 8; ++j) rows[j] = k + slots[t0 + std::min<int64_t>(j, n - 1)] * k_stride_s;
       for (int64_t h = 0; h < kv_count; ++h)
         for (int64_t i = h * group; i < (h + 1) * group; ++i) {
           const float* qi = qf + i * 16 * C;
           __m256 sum[8];
 #pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) sum[j] = _mm256_mul_ps(_mm256_loadu_ps(rows[j] + h * stride_h), _mm256_loadu_ps(qi));
+          for (int j = 0; j < 8; ++j) sum[j] = _mm256_mul_ps(load8f(rows[j] + h * stride_h), _mm256_loadu_ps(qi));
 #pragma GCC unroll 16
           for (int c = 1; c < kV; ++c)
 #pragma GCC unroll 8
             for (int j = 0; j < 8; ++j)
-              sum[j] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[j] + h * stride_h + 8 * c), _mm256_loadu_ps(qi + 8 * c), sum[j]);
+              sum[j] = _mm256_fmadd_ps(load8f(rows[j] + h * stride_h + 8 * c), _mm256_loadu_ps(qi + 8 * c), sum[j]);
           _mm256_storeu_ps(scores + i * max_len + t0, lane_sums8(sum));
         }
     }
   }
 
-  // AVX2, float32 values: the G queries of one KV head at a time, P registers of its dims a pass:
+  // AVX2 values (16-bit ones widened as they are loaded): the G queries of one KV head at a time, P registers of its dims a pass:
   // per key the G weights broadcast once, then each value vector loaded once and met by the G
   // weights, so that G * P accumulators, G weights and one vector fit the 16 registers (P = 4 at
   // G = 3: 2 passes over the keys instead of 4; with the vectors loaded first, 12 accumulators
@@ -143,11 +153,11 @@ struct DecodeTask {
   // with the keys (too many for L2), each block of 8 keys asks for the rows of the block 3
   // ahead. The same sums in the same order as the generic loop.
   template <int G>
-  void avx2_values(const float* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
+  void avx2_values(const T* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
                    int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {
     constexpr int kV = 2 * C;
     constexpr int P = (kV % 8 == 0 && 9 * G + 1 <= 16) ? 8 : (kV % 4 == 0 && 5 * G + 1 <= 16) ? 4 : 2;
-    const bool ahead = len * row_elems * static_cast<int64_t>(sizeof(float)) > (256 << 10);
+    const bool ahead = len * row_elems * static_cast<int64_t>(sizeof(T)) > (256 << 10);
     for (int64_t h = 0; h < kv_count; ++h) {
       const float* p = scores + h * G * max_len;
       for (int d0 = 0; d0 < kV; d0 += P) {
@@ -162,13 +172,13 @@ struct DecodeTask {
               prefetch_row(v + slots[j] * v_stride_s, row_elems);
           const int64_t t1 = std::min<int64_t>(t0 + 8, len);
           for (int64_t t = t0; t < t1; ++t) {
-            const float* vrow = v + slots[t] * v_stride_s + h * stride_h + 8 * d0;
+            const T* vrow = v + slots[t] * v_stride_s + h * stride_h + 8 * d0;
             __m256 pg[G];
 #pragma GCC unroll 8
             for (int g = 0; g < G; ++g) pg[g] = _mm256_broadcast_ss(p + g * max_len + t);
 #pragma GCC unroll 8
             for (int d = 0; d < P; ++d) {
-              const __m256 vd = _mm256_loadu_ps(vrow + 8 * d);
+              const __m256 vd = load8f(vrow + 8 * d);
 #pragma GCC unroll 8
               for (int g = 0; g < G; ++g) a[g][d] = _mm256_fmadd_ps(pg[g], vd, a[g][d]);
             }
@@ -221,7 +231,7 @@ struct DecodeTask {
     }
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    if constexpr (G > 0 && C > 0 && std::is_same_v<T, float>) {
+    if constexpr (G > 0 && kAvx2Rows) {
       avx2_values<G>(v, v_stride_s, stride_h, kv_count, slots, len, max_len, scores, row_elems, acc);
       return;
     }
@@ -261,9 +271,9 @@ struct DecodeTask {
   // `scores`: queries * max_len floats; `work`: queries * (2 * chunks + 16) vectors. With
   // `partial` (a part of the keys, merged by merge_parts): per query its weighted values before
   // the division (head_dim floats), then all queries' score peaks and exp sums, instead of out.
-  void run(const T* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
+  void run(const Q* q, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s, int64_t v_stride_s,
            int64_t stride_h, int64_t kv_count, const int64_t* slots, int64_t len, int64_t max_len, float* scores,
-           vec16* work, T* out, float* partial = nullptr) const {
+           vec16* work, Q* out, float* partial = nullptr) const {
     const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16, queries = kv_count * group;
     const int64_t row_elems = (kv_count - 1) * stride_h + head_dim;  // the task's part of a slot
     vec16* qv = work;                  // [queries][nc] the queries, scaled
@@ -292,7 +302,7 @@ struct DecodeTask {
     const bool values_early = len * row_elems * static_cast<int64_t>(sizeof(T)) <= (256 << 10);
     for (int64_t j = 0; j < std::min<int64_t>(32, len); ++j) prefetch_row(k + slots[j] * k_stride_s, row_elems);
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    constexpr bool kAvx2Scores = std::is_same_v<T, float> && C > 0;
+    constexpr bool kAvx2Scores = kAvx2Rows;
     if constexpr (kAvx2Scores)
       avx2_scores(reinterpret_cast<const float*>(qv), k, v, k_stride_s, v_stride_s, stride_h, kv_count, slots, len,
                   max_len, scores, row_elems, values_early);
@@ -356,7 +366,7 @@ struct DecodeTask {
       totals[i] = total;
     }
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    constexpr bool kAnyGroup = std::is_same_v<T, float>;  // avx2_values takes groups up to 4 at any head size
+    constexpr bool kAnyGroup = kAvx2Rows;  // avx2_values takes groups up to 4 at any head size
 #else
     constexpr bool kAnyGroup = false;
 #endif
@@ -435,18 +445,18 @@ struct AttentionSplit {
   int64_t partial_floats(int64_t head_dim) const { return parts > 1 ? tasks * parts * queries * (head_dim + 2) : 0; }
 };
 
-template <typename T, int C>
+template <typename Q, typename T, int C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                            at::Tensor& out, const Share& share, float* partial) {
   const int64_t bs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = num_heads / kv_heads;
-  const DecodeTask<T, C> task{group, head_dim / 16, static_cast<float>(scale), static_cast<float>(softcap)};
-  const T* q_ptr = q.data_ptr<T>();
+  const DecodeTask<Q, T, C> task{group, head_dim / 16, static_cast<float>(scale), static_cast<float>(softcap)};
+  const Q* q_ptr = q.data_ptr<Q>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
+  Q* out_ptr = out.data_ptr<Q>();
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0);
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
@@ -489,16 +499,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
-template <typename T>
+template <typename Q, typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                        at::Tensor& out, const Share& share, float* partial) {
   switch (q.size(2)) {
-    case 32: return decode_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-    case 64: return decode_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-    case 128: return decode_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-    default: return decode_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    case 32: return decode_attention_impl<Q, T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    case 64: return decode_attention_impl<Q, T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    case 128: return decode_attention_impl<Q, T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
+    default: return decode_attention_impl<Q, T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
   }
 }
 
@@ -530,8 +540,8 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "decode_attention: q, k, v must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "decode_attention: q, k and v must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_dtype_pairs(q.scalar_type(), k_cache.scalar_type()),
+              "decode_attention: k and v in q's dtype, or in bfloat16 / float16 beside float32 q");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 &&
                   k_cache.stride(1) == v_cache.stride(1),
               "decode_attention: the head dimension must be contiguous, K and V laid out alike");
@@ -544,19 +554,10 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(req_pool_indices.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: req_pool_indices and seq_lens must be contiguous");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.numel() == q.numel(),
               "decode_attention: out must be contiguous [bs, num_heads, head_dim] in q's dtype");
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-      break;
-    case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-      break;
-    case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, share, partial);
-      break;
-    default:
-      TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_kv_dtypes(q.scalar_type(), k_cache.scalar_type(), "decode_attention", [&](auto q_type, auto kv_type) {
+    dispatch_head_dim<decltype(q_type), decltype(kv_type)>(q, k_cache, v_cache, req_to_token, req_pool_indices,
+                                                           seq_lens, scale, window, softcap, out, share, partial);
+  });
 }
 
 // Floats of room decode_attention_into needs for its parts' results (0: none) with this share,
@@ -573,7 +574,8 @@ int64_t decode_attention_partial_floats(int64_t bs, int64_t num_heads, const at:
 // k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into
 // one layer of the pool, one call for both (two index_copy_ cost ~10 us a layer at decode).
 // k, v [n, kv_heads, head_dim] (any strides with the head dim contiguous: views of the QKV
-// output), the caches' dtype; slots [n] int64, each a slot of the cache.
+// output), the caches' dtype, or float32 into a bfloat16 / float16 cache (rounded to nearest
+// even, as PyTorch's cast); slots [n] int64, each a slot of the cache.
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
@@ -583,13 +585,34 @@ void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                   k.size(1) == k_cache.size(1) && v.size(1) == v_cache.size(1) && k.size(2) == k_cache.size(2) &&
                   v.size(2) == v_cache.size(2) && k.stride(2) == 1 && v.stride(2) == 1,
               "kv_write: k, v [n, kv_heads, head_dim] (head dim contiguous) into contiguous caches of that shape");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "kv_write: k and v must have their cache's dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  kv_dtype_pairs(k.scalar_type(), k_cache.scalar_type()),
+              "kv_write: k and v in their cache's dtype, or float32 into a bfloat16 / float16 cache");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "kv_write: slots must be int64");
   const auto idx = slots.contiguous();
   const int64_t* sp = idx.data_ptr<int64_t>();
   const int64_t n = slots.numel(), capacity = k_cache.size(0);
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < capacity, "kv_write: slot ", sp[i], " out of range");
+  if (k.scalar_type() != k_cache.scalar_type()) {  // float32 rows rounded into the 16-bit cache
+    dispatch_kv_dtypes(k.scalar_type(), k_cache.scalar_type(), "kv_write", [&](auto, auto kv_type) {
+      using T = decltype(kv_type);
+      auto convert = [&](at::Tensor& cache, const at::Tensor& src) {
+        const int64_t heads = src.size(1), dim = src.size(2), whole = dim / 16 * 16;
+        T* dst = cache.data_ptr<T>();
+        const float* from = src.data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* s = from + i * src.stride(0) + h * src.stride(1);
+            T* d = dst + (sp[i] * heads + h) * dim;
+            for (int64_t c = 0; c < whole; c += 16) store16(d + c, load16(s + c));
+            for (int64_t c = whole; c < dim; ++c) d[c] = static_cast<T>(s[c]);
+          }
+      };
+      convert(k_cache, k);
+      convert(v_cache, v);
+    });
+    return;
+  }
   auto copy = [&](at::Tensor& cache, const at::Tensor& src) {
     const int64_t heads = src.size(1), row = src.size(2) * src.element_size();
     char* dst = static_cast<char*>(cache.data_ptr());

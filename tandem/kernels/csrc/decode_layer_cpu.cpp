@@ -2,8 +2,9 @@
 // same order as the Python layer (tandem/models/llama.py) runs them one op call each, so the
 // result is the same bit for bit, without the ~50 us a layer of Python and dispatch between
 // them (a 30-layer model's decode step makes ~400 such calls). Used on CPU where every linear
-// layer of the decoder layer runs quantized, the pool's dtype is the model's and the attention
-// backend reads through the C++ decode kernel (`LlamaModel.forward` decides).
+// layer of the decoder layer runs quantized, the pool's dtype is the model's (or a 16-bit pool
+// beside float32 activations: kv_write and decode attention widen and round its rows) and the
+// attention backend reads through the C++ decode kernel (`LlamaModel.forward` decides).
 //
 //   h = rms_norm(hidden [+= residual]); qkv = h @ Wqkv (+ b); rotate q, k; k, v into the pool;
 //   o = attention(q) @ Wo; h2 = rms_norm(o += residual); out = silu_and_mul(h2 @ Wgu) @ Wdown

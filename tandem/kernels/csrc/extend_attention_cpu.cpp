@@ -151,9 +151,10 @@ inline float avx2_softmax_row(const float* sc, int64_t k0, int64_t lo, int64_t p
 #endif
 
 // Rows [queries q0 .. q0 + nq of request b] x [the query heads of KV head h]: row r is query
-// q0 + r / group, head h * group + r % group. C: head_dim / 16 (a compile-time constant where
+// q0 + r / group, head h * group + r % group. Q: the queries' and output's dtype, T: the pool's
+// (Q, or a 16-bit pool beside float32 queries). C: head_dim / 16 (a compile-time constant where
 // common, else 0 and `chunks` says it).
-template <typename T, int C>
+template <typename Q, typename T, int C>
 struct ExtendTask {
   int64_t group, chunks, window;
   float scale, softcap;
@@ -233,8 +234,8 @@ struct ExtendTask {
   // q, out: the task's first query's row at its first head; pos0: that query's position;
   // slots: the request's KV slots by position. work: (rows + 2 * kKeys) * nc vectors; stats:
   // (2 + head_dim) * rows floats.
-  void run(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s,
-           int64_t v_stride_s, const int64_t* slots, int64_t pos0, int64_t nq, T* out, int64_t out_stride_t,
+  void run(const Q* q, int64_t q_stride_t, int64_t q_stride_h, const T* k, const T* v, int64_t k_stride_s,
+           int64_t v_stride_s, const int64_t* slots, int64_t pos0, int64_t nq, Q* out, int64_t out_stride_t,
            vec16* work, float* stats) const {
     const int64_t nc = C > 0 ? C : chunks, head_dim = nc * 16, rows = nq * group;
     vec16* acc = work;             // [rows][nc] the weighted values so far
@@ -244,7 +245,7 @@ struct ExtendTask {
     float* total = peak + rows;    // [rows]
     float* qf = total + rows;      // [rows][head_dim] the queries, scaled
     for (int64_t r = 0; r < rows; ++r) {
-      const T* qr = q + (r / group) * q_stride_t + (r % group) * q_stride_h;
+      const Q* qr = q + (r / group) * q_stride_t + (r % group) * q_stride_h;
       for (int64_t c = 0; c < nc; ++c) {
         store16(qf + r * head_dim + c * 16, load16(qr + c * 16) * scale);
         acc[r * nc + c] = vec16{};
@@ -274,14 +275,14 @@ struct ExtendTask {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      T* o = out + (r / group) * out_stride_t + (r % group) * head_dim;
+      Q* o = out + (r / group) * out_stride_t + (r % group) * head_dim;
       const float inv = 1.f / total[r];
       for (int64_t c = 0; c < nc; ++c) store16(o + c * 16, acc[r * nc + c] * inv);
     }
   }
 };
 
-template <typename T, int C>
+template <typename Q, typename T, int C>
 void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale, int64_t window,
@@ -307,11 +308,11 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   // Costliest first, so that the last tasks taken are short ones (the threads finish together).
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const ExtendTask<T, C> task{group, head_dim / 16, window, static_cast<float>(scale), static_cast<float>(softcap)};
-  const T* q_ptr = q.data_ptr<T>();
+  const ExtendTask<Q, T, C> task{group, head_dim / 16, window, static_cast<float>(scale), static_cast<float>(softcap)};
+  const Q* q_ptr = q.data_ptr<Q>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
+  Q* out_ptr = out.data_ptr<Q>();
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
@@ -333,16 +334,16 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   }
 }
 
-template <typename T>
+template <typename Q, typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                        const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale, int64_t window,
                        double softcap, at::Tensor& out) {
   switch (q.size(2)) {
-    case 32: return extend_attention_impl<T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
-    case 64: return extend_attention_impl<T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
-    case 128: return extend_attention_impl<T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
-    default: return extend_attention_impl<T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
+    case 32: return extend_attention_impl<Q, T, 2>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
+    case 64: return extend_attention_impl<Q, T, 4>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
+    case 128: return extend_attention_impl<Q, T, 8>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
+    default: return extend_attention_impl<Q, T, 0>(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale, window, softcap, out);
   }
 }
 
@@ -352,7 +353,7 @@ namespace tandem_cpu {
 
 // q [tokens, num_heads, head_dim] (the extend tokens of every request, request after request;
 // any strides but the last); k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
-// pool, q's dtype, holding the new tokens' keys already); req_to_token [rows, max_context]
+// pool, q's dtype or bfloat16 / float16 beside float32 q, holding the new tokens' keys already); req_to_token [rows, max_context]
 // int64; req_pool_indices, prefix_lens, extend_lens [bs] int64 (CPU): request b's tokens are
 // q's rows sum(extend_lens[:b]) .. + extend_lens[b], at positions prefix_lens[b] + i. `window`
 // > 0: a query at position p sees the keys at (p - window, p]; `softcap` > 0: scores are
@@ -364,8 +365,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "extend_attention: q, k, v must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "extend_attention: CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "extend_attention: q, k and v must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_dtype_pairs(q.scalar_type(), k_cache.scalar_type()),
+              "extend_attention: k and v in q's dtype, or in bfloat16 / float16 beside float32 q");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.size(1) == v_cache.size(1) &&
                   k_cache.size(2) == q.size(2) && v_cache.size(2) == q.size(2),
               "extend_attention: the head dimension must be contiguous, K and V of q's head_dim");
@@ -379,19 +380,10 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(rows.numel() == prefix.numel() && rows.numel() == extend.numel(),
               "extend_attention: req_pool_indices, prefix_lens and extend_lens must have one entry per request");
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, req_to_token, rows, prefix, extend, scale, window, softcap, out);
-      break;
-    case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, req_to_token, rows, prefix, extend, scale, window, softcap, out);
-      break;
-    case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, req_to_token, rows, prefix, extend, scale, window, softcap, out);
-      break;
-    default:
-      TORCH_CHECK(false, "extend_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_kv_dtypes(q.scalar_type(), k_cache.scalar_type(), "extend_attention", [&](auto q_type, auto kv_type) {
+    dispatch_head_dim<decltype(q_type), decltype(kv_type)>(q, k_cache, v_cache, req_to_token, rows, prefix, extend,
+                                                           scale, window, softcap, out);
+  });
   return out;
 }
 

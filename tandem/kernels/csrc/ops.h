@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -87,6 +89,24 @@ struct Share {
     }
   }
 };
+
+// The (activations, KV pool) dtypes the attention kernels and kv_write take: one dtype, or a
+// bfloat16 / float16 pool beside float32 activations (--kv-cache-dtype).
+inline bool kv_dtype_pairs(at::ScalarType act, at::ScalarType kv) {
+  const bool known = act == at::kFloat || act == at::kBFloat16 || act == at::kHalf;
+  return known && (kv == act || (act == at::kFloat && (kv == at::kBFloat16 || kv == at::kHalf)));
+}
+
+// f(Q{}, T{}) with Q the activations' C++ type and T the pool's, for a pair kv_dtype_pairs takes.
+template <typename F>
+void dispatch_kv_dtypes(at::ScalarType act, at::ScalarType kv, const char* name, const F& f) {
+  TORCH_CHECK(kv_dtype_pairs(act, kv), name, ": unsupported dtypes ", act, " (activations) and ", kv, " (KV)");
+  if (act == at::kBFloat16) return f(c10::BFloat16{}, c10::BFloat16{});
+  if (act == at::kHalf) return f(c10::Half{}, c10::Half{});
+  if (kv == at::kBFloat16) return f(float{}, c10::BFloat16{});
+  if (kv == at::kHalf) return f(float{}, c10::Half{});
+  return f(float{}, float{});
+}
 
 // Rows [begin, end) of rms_norm (residual null) or fused_add_rms_norm into out, on this thread.
 void rms_norm_rows_into(at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,

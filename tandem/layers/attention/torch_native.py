@@ -241,8 +241,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
         max_len = table.shape[1]
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
-        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a 16-bit pool widened
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).to(q.dtype)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(bs, 1, 1, max_len), scale=scaling)
@@ -258,8 +258,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             kpos = torch.arange(max_len, device=valid.device).unsqueeze(0)
             valid = valid & (kpos >= fb.seq_lens.unsqueeze(1) - window)
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat)
-        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat)
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a 16-bit pool widened
+        v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).to(q.dtype)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         out = masked_attention(q.view(bs, num_heads, 1, head_dim), k, v, valid.view(bs, 1, 1, max_len), scaling, cap)
@@ -327,8 +327,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         outs = []
         for group in plan.groups:
             size, n, kv_len = group.size, group.num_queries, group.num_keys
-            k = torch.index_select(k_cache, 0, group.slots).view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-            v = torch.index_select(v_cache, 0, group.slots).view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+            k = torch.index_select(k_cache, 0, group.slots).to(q.dtype)  # a 16-bit pool widened
+            v = torch.index_select(v_cache, 0, group.slots).to(q.dtype)
+            k = k.view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = v.view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
             qg = q if group.query_index is None else torch.index_select(q, 0, group.query_index)
             qg = qg.reshape(size, n, num_heads, head_dim)
             if logit_cap > 0:

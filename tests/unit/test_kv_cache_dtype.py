@@ -1,0 +1,126 @@
+"""`--kv-cache-dtype`: a bfloat16 / float16 KV pool beside float32 activations on CPU (the
+kernels read it widened, bit for bit as the float32 kernels read the widened pool: the checks
+in tests/decode_attention_checks.py), which dtypes and pairs start, the default for quantized
+models (float16, as llama.cpp keeps a GGUF file's cache), and a float16 cache's logits
+against a float32 one's on the same GGUF file."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from decode_attention_checks import LENGTHS, SHAPES, check_kv_dtype_pool
+from gguf_writer import write_gguf
+from runner_steps import greedy_steps, make_runner
+
+from tandem.kernels import cpu as cpu_kernels
+from tandem.model_executor.model_runner import resolve_kv_cache_dtype
+from tandem.server_args import ServerArgs
+from tandem.tools.make_tiny_model import make_tiny_model
+
+ops = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels could not be built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", SHAPES)
+def test_a_16_bit_pool_reads_as_the_float32_kernels_read_it_widened(kv_dtype, num_heads, kv_heads, head_dim):
+    torch.set_num_threads(2)
+    check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, LENGTHS["7-requests"][0])
+
+
+def test_auto_is_the_activations_dtype_but_float16_for_quantized_weights_on_cpu():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert resolve_kv_cache_dtype("auto", f32, "cpu") == f32
+    assert resolve_kv_cache_dtype("auto", f32, "cpu", quantized=True) == f16
+    assert resolve_kv_cache_dtype("auto", bf16, "cpu", quantized=True) == bf16
+    assert resolve_kv_cache_dtype("auto", f32, "cuda", quantized=True) == f32
+    assert resolve_kv_cache_dtype("fp16", f32, "cpu") == f16
+    assert resolve_kv_cache_dtype("bf16", f32, "cpu", quantized=True) == bf16
+    assert resolve_kv_cache_dtype("float32", f32, "cpu", quantized=True) == f32
+    assert resolve_kv_cache_dtype("bfloat16", bf16, "cuda") == bf16
+
+
+@pytest.mark.parametrize(
+    "kv,dtype,device",
+    [("float16", torch.bfloat16, "cpu"), ("float32", torch.bfloat16, "cpu"), ("float16", torch.float32, "cuda")],
+)
+def test_other_pairs_stop_with_a_message_naming_the_flag(kv, dtype, device):
+    with pytest.raises(ValueError, match=f"--kv-cache-dtype {kv} with"):
+        resolve_kv_cache_dtype(kv, dtype, device)
+
+
+def _args(value: str) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/m", "--kv-cache-dtype", value]))
+
+
+@pytest.mark.parametrize("value", ["fp16", "float16", "bf16", "bfloat16", "fp32", "float32", "auto"])
+def test_kv_dtypes_built_start(value):
+    _args(value).validate()
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "fp8_e4m3", "int8"])
+def test_kv_dtypes_not_built_stop_the_start(value):
+    with pytest.raises(ValueError, match="^--kv-cache-dtype .*fp8"):
+        _args(value).validate()
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kvdtype")
+    return write_gguf(make_tiny_model(root / "llama", arch="llama", preset="gguf"), root / "llama-Q8_0.gguf", "Q8_0")
+
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 7, 3, 11], [1, 2], list(range(1, 70))]
+STEPS = 8
+
+
+@needs_kernel
+def test_a_quantized_gguf_gets_a_float16_cache_by_default(q8_gguf):
+    """Under --dtype auto a Q8_0 file's linears round float32 activations to int8; its cache is
+    then float16, and the decode steps still run every layer in one C++ call (decode_layers).
+    (A CPU with native bfloat16 serves the file in bfloat16: the cache takes that dtype.) The
+    default model's perplexity under this default: tests/server/test_quantized_accuracy.py."""
+    runner = make_runner(q8_gguf, kv_cache_dtype="auto")
+    if runner.dtype == torch.bfloat16:
+        assert runner.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
+        return
+    assert runner.kv_cache_dtype == torch.float16 and runner.token_to_kv_pool.k_buffer[0].dtype == torch.float16
+    fused = []
+    stack = runner.model.model._fused_stack
+    runner.model.model._fused_stack = lambda: fused.append(stack()) or fused[-1]
+    greedy_steps(runner, PROMPTS, STEPS)
+    assert len(fused) == STEPS and all(s is not None for s in fused)
+
+
+@needs_kernel
+def test_a_float16_cache_against_a_float32_one(q8_gguf):
+    """The cache's rounding alone (the exact float32 weights path, no int8 activations), prefill
+    and decode: logits within 2e-3 of their largest while the greedy tokens agree (measured on
+    this random model: 7.5e-4; its near-flat logits let a prompt's tokens part after 4-5 steps)."""
+    got = greedy_steps(make_runner(q8_gguf, dtype="float32", kv_cache_dtype="float16"), PROMPTS, STEPS)
+    want = greedy_steps(make_runner(q8_gguf, dtype="float32", kv_cache_dtype="float32"), PROMPTS, STEPS)
+    agree = next((s for s in range(STEPS) if [ids[s] for ids in got[0]] != [ids[s] for ids in want[0]]), STEPS)
+    assert agree >= 3, (got[0], want[0])
+    for a, b in list(zip(got[1], want[1]))[: agree + 1]:  # step s's logits chose token s
+        assert (a - b).abs().max() <= 2e-3 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
+
+
+@needs_kernel
+def test_the_exact_float32_reference_keeps_a_float32_cache(q8_gguf):
+    """--dtype float32 by name multiplies the exact weight values (no int8 rounding): its cache
+    stays float32 under auto."""
+    runner = make_runner(q8_gguf, dtype="float32", kv_cache_dtype="auto")
+    assert runner.token_to_kv_pool.k_buffer[0].dtype == torch.float32
+
+
+@needs_kernel
+def test_a_dense_model_keeps_its_activations_dtype(tmp_path):
+    runner = make_runner(
+        make_tiny_model(tmp_path / "m", arch="llama", preset="gguf"), dtype="float32", kv_cache_dtype="auto"
+    )
+    assert runner.token_to_kv_pool.k_buffer[0].dtype == torch.float32
