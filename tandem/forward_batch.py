@@ -54,6 +54,9 @@ class ForwardBatch:
     # Speculative verification (tandem/speculative), EXTEND only: logits for every new
     # token, not only each request's last.
     all_logits: bool = False
+    # Whether input_ids may hold FutureMap placeholders (tokens an earlier forward samples);
+    # False: every id is a token, nothing to resolve.
+    placeholders: bool = True
 
     @classmethod
     def for_rows(

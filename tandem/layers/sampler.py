@@ -13,7 +13,8 @@ it; the caller's logits (from which logprobs are reported) are never modified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import functools
 
 import torch
 
@@ -23,19 +24,25 @@ from tandem.sampling.penalties import PenaltyBatch
 from tandem.sampling.sampling_params import SamplingParams
 
 
-@dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [bs, 1]
-    top_ps: torch.Tensor  # [bs]
-    top_ks: torch.Tensor  # [bs] (vocab size where disabled)
-    min_ps: torch.Tensor  # [bs]
-    is_greedy: list[bool]
-    seeds: torch.Tensor  # [bs, 2] int64: low and high 32 bits of each sampling_seed (0 without one)
-    has_seed: torch.Tensor  # [bs] bool
-    output_lens: torch.Tensor  # [bs] int64 tokens generated so far, mixed into seeded uniforms
-    penalties: PenaltyBatch | None = None
-    # The rows with a custom logit processor (--enable-custom-logit-processor); None: none.
-    custom: CustomLogitBatch | None = None
+    """A batch's sampling parameters: per request its SamplingParams and the tokens it has
+    generated so far. The tensors the sampler reads are made on first use: an all-greedy
+    batch reads none (seven small tensors a decode step that its Python, run with caches
+    cold after the forward's weight stream, paid ~90 us for at batch 1)."""
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        output_lens: list[int],
+        vocab_size: int,
+        device: str,
+        penalties: PenaltyBatch | None = None,
+    ):
+        self.params, self.generated, self.vocab_size, self.device = params, list(output_lens), vocab_size, device
+        self.is_greedy = [p.is_greedy for p in params]
+        self.penalties = penalties
+        # The rows with a custom logit processor (--enable-custom-logit-processor); None: none.
+        self.custom: CustomLogitBatch | None = None
 
     @classmethod
     def from_params(
@@ -46,23 +53,45 @@ class SamplingBatchInfo:
         device: str,
         penalties: PenaltyBatch | None = None,
     ) -> SamplingBatchInfo:
-        return cls(
-            temperatures=torch.tensor([[max(p.temperature, 1e-6)] for p in params], dtype=torch.float32, device=device),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(
-                [p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64, device=device
-            ),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            is_greedy=[p.is_greedy for p in params],
-            seeds=torch.tensor(
-                [[(p.sampling_seed or 0) & _MASK32, ((p.sampling_seed or 0) >> 32) & _MASK32] for p in params],
-                dtype=torch.int64,
-                device=device,
-            ).view(-1, 2),
-            has_seed=torch.tensor([p.sampling_seed is not None for p in params], dtype=torch.bool, device=device),
-            output_lens=torch.tensor(output_lens, dtype=torch.int64, device=device),
-            penalties=penalties,
-        )
+        return cls(params, output_lens, vocab_size, device, penalties)
+
+    def with_penalties(self, penalties: PenaltyBatch | None) -> SamplingBatchInfo:
+        """This batch (its tensors made so far too) with other penalties."""
+        out = copy.copy(self)
+        out.penalties = penalties
+        return out
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    @functools.cached_property
+    def temperatures(self) -> torch.Tensor:  # [bs, 1]
+        return self._tensor([[max(p.temperature, 1e-6)] for p in self.params], torch.float32).view(-1, 1)
+
+    @functools.cached_property
+    def top_ps(self) -> torch.Tensor:  # [bs]
+        return self._tensor([p.top_p for p in self.params], torch.float32)
+
+    @functools.cached_property
+    def top_ks(self) -> torch.Tensor:  # [bs] (vocab size where disabled)
+        return self._tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in self.params], torch.int64)
+
+    @functools.cached_property
+    def min_ps(self) -> torch.Tensor:  # [bs]
+        return self._tensor([p.min_p for p in self.params], torch.float32)
+
+    @functools.cached_property
+    def seeds(self) -> torch.Tensor:  # [bs, 2] int64: low and high 32 bits of each sampling_seed (0 without one)
+        seeds = [p.sampling_seed or 0 for p in self.params]
+        return self._tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in seeds], torch.int64).view(-1, 2)
+
+    @functools.cached_property
+    def has_seed(self) -> torch.Tensor:  # [bs] bool
+        return self._tensor([p.sampling_seed is not None for p in self.params], torch.bool)
+
+    @functools.cached_property
+    def output_lens(self) -> torch.Tensor:  # [bs] int64 tokens generated so far, mixed into seeded uniforms
+        return self._tensor(self.generated, torch.int64)
 
     @property
     def all_greedy(self) -> bool:

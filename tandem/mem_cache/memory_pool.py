@@ -21,6 +21,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._flat = self.req_to_token.view(-1)
         self._free_rows: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -42,7 +43,7 @@ class ReqToTokenPool:
         new slots, one per request) in one indexed copy, not one write per request."""
         width = self.max_context_len
         flat = torch.tensor([row * width + pos for row, pos in zip(rows, positions)], device=self.req_to_token.device)
-        self.req_to_token.view(-1).index_copy_(0, flat, slots)
+        self._flat.index_copy_(0, flat, slots)
 
 
 class TokenToKVPool:

@@ -36,4 +36,4 @@ class FutureMap:
 
     def store(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Record the ids just sampled for the requests in `rows`."""
-        self.token_ids[rows] = token_ids
+        self.token_ids.index_copy_(0, rows, token_ids)

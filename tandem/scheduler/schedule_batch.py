@@ -283,11 +283,13 @@ class ScheduleBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         prefix_lens, extend_lens, seq_lens = [], [], []
+        placeholders = False
         for i, req in enumerate(self.reqs):
             if self.is_prefill(i):
                 new = req.seq_ids[req.kv_len : req.kv_len + self.extend_lens[i]]
             elif req.pending_tokens:  # NOTE: not launched_output_ids(): it copies output_ids
                 new = [FutureMap.placeholder(req.req_pool_idx)]
+                placeholders = True
             else:
                 new = req.output_ids[-1:] + (self.draft_ids[i] if self.draft_ids is not None else [])
             prefix_lens.append(req.kv_len)
@@ -297,14 +299,18 @@ class ScheduleBatch:
             positions.extend(range(req.kv_len, req.kv_len + len(new)))
         verify = self.draft_ids is not None
         extend = self.forward_mode.is_extend() or verify
+        # NOTE: two tensors of two rows each, not four (a decode step's Python runs with cold
+        # caches after the forward's weight stream: each tensor made costs ~20 us there)
+        tokens = torch.tensor([input_ids, positions], dtype=torch.int64, device=device)
+        rows = torch.tensor([[r.req_pool_idx for r in self.reqs], seq_lens], dtype=torch.int64, device=device)
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND if verify else self.forward_mode,
             batch_size=len(self.reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            input_ids=tokens[0],
+            positions=tokens[1],
             out_cache_loc=self.out_cache_loc,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            req_pool_indices=rows[0],
+            seq_lens=rows[1],
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
@@ -318,6 +324,7 @@ class ScheduleBatch:
             token_ids_logprobs=[r.token_ids_logprob for r in self.reqs] if extend else None,
             num_prefill=self.num_prefill,
             all_logits=verify,
+            placeholders=placeholders,
             lora_uids=[r.lora_uid for r in self.reqs] if any(r.lora_uid is not None for r in self.reqs) else None,
         )
 

@@ -10,7 +10,6 @@ the next forward reads the inputs that the scheduler could only name by placehol
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -148,7 +147,8 @@ class TpModelWorker:
     @torch.inference_mode()
     def forward(self, mwb: ModelWorkerBatch) -> LogitsProcessorOutput:
         fb = mwb.forward_batch
-        fb.input_ids = self.future_map.resolve(fb.input_ids)
+        if fb.placeholders:
+            fb.input_ids = self.future_map.resolve(fb.input_ids)
         return self.model_runner.forward(fb)
 
     @torch.inference_mode()
@@ -158,7 +158,7 @@ class TpModelWorker:
         if mwb.vocab_mask is not None:  # a masked copy: logprobs stay those of `logits`
             logits = mwb.vocab_mask.apply(logits)
         if info.penalties is not None:
-            info = dataclasses.replace(info, penalties=info.penalties.resolved(self.future_map.resolve))
+            info = info.with_penalties(info.penalties.resolved(self.future_map.resolve))
         if info.custom is not None:  # the processors read the output ids so far
             info.custom.resolve_output_ids(self.future_map.resolve, self.device)
         next_ids = self.model_runner.sample(logits, info)

@@ -40,18 +40,11 @@ class Verified:
 def expand_sampling_info(info: SamplingBatchInfo, counts: list[int]) -> SamplingBatchInfo:
     """`info` with request i's row repeated counts[i] times; its j-th copy samples output
     position output_len + j."""
-    device = info.temperatures.device
-    index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
-    offsets = torch.cat([torch.arange(c, device=device) for c in counts])
     return SamplingBatchInfo(
-        temperatures=info.temperatures[index],
-        top_ps=info.top_ps[index],
-        top_ks=info.top_ks[index],
-        min_ps=info.min_ps[index],
-        is_greedy=[g for g, c in zip(info.is_greedy, counts) for _ in range(c)],
-        seeds=info.seeds[index],
-        has_seed=info.has_seed[index],
-        output_lens=info.output_lens[index] + offsets,
+        [p for p, c in zip(info.params, counts) for _ in range(c)],
+        [n + j for n, c in zip(info.generated, counts) for j in range(c)],
+        info.vocab_size,
+        info.device,
     )
 
 
