@@ -44,17 +44,6 @@ class SamplingBatchInfo:
         # The rows with a custom logit processor (--enable-custom-logit-processor); None: none.
         self.custom: CustomLogitBatch | None = None
 
-    @classmethod
-    def from_params(
-        cls,
-        params: list[SamplingParams],
-        output_lens: list[int],
-        vocab_size: int,
-        device: str,
-        penalties: PenaltyBatch | None = None,
-    ) -> SamplingBatchInfo:
-        return cls(params, output_lens, vocab_size, device, penalties)
-
     def with_penalties(self, penalties: PenaltyBatch | None) -> SamplingBatchInfo:
         """This batch (its tensors made so far too) with other penalties."""
         out = copy.copy(self)

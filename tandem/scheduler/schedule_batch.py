@@ -338,7 +338,7 @@ class ScheduleBatch:
                 ],
                 device,
             )
-        return SamplingBatchInfo.from_params(
+        return SamplingBatchInfo(
             [r.sampling_params for r in self.reqs],
             [r.launched_output_len for r in self.reqs],
             vocab_size,

@@ -63,7 +63,7 @@ class DraftModel:
                 fb = self._decode_step([reqs[i] for i in live], [drafts[i][-1] for i in live], step)
             logits = self.runner.forward(fb).next_token_logits
             params = [reqs[i].sampling_params for i in live]
-            info = SamplingBatchInfo.from_params(
+            info = SamplingBatchInfo(
                 params, [len(reqs[i].output_ids) + step for i in live], self.vocab_size, self.device
             )
             tokens, q = self._sample(logits, info)

@@ -154,7 +154,7 @@ def _layers_on_rank(tp: TpGroup) -> dict:
     head.process_weights_after_loading("auto", keep_weight=True)
     logits = head(x)
     params = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (None, 7, None, 11, None)]
-    info = SamplingBatchInfo.from_params(params, [0, 3, 0, 1, 0], 11, "cpu")
+    info = SamplingBatchInfo(params, [0, 3, 0, 1, 0], 11, "cpu")
     sampler = Sampler(seed=5, device="cpu")
     samples = [sampler(logits * 0.2, info) for _ in range(3)]
     return {
@@ -223,7 +223,7 @@ def _generate_on_rank(tp: TpGroup, model_dirs: list[str]) -> dict:
             )
             logits.append(runner.forward(fb).next_token_logits)
         params = [SamplingParams(temperature=1.0, sampling_seed=s) for s in (5, None, 9)]
-        info = SamplingBatchInfo.from_params(params, [0, 0, 4], runner.vocab_size, "cpu")
+        info = SamplingBatchInfo(params, [0, 0, 4], runner.vocab_size, "cpu")
         batch_logits = torch.cat([logits[-1], logits[-1][:1]])
         sampled = [runner.sample(batch_logits, info).tolist() for _ in range(4)]
         results[model_dir] = {

@@ -74,9 +74,9 @@ def test_sampler_greedy_follows_penalized_logits():
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
     params = SamplingParams(temperature=0, frequency_penalty=1.0)
     penalties = PenaltyBatch.build([PenaltyInput(params, [0], [1], [])], "cpu")
-    info = SamplingBatchInfo.from_params([params], [1], 4, "cpu", penalties)
+    info = SamplingBatchInfo([params], [1], 4, "cpu", penalties)
     assert Sampler(0, "cpu")(logits, info).tolist() == [2]
-    assert Sampler(0, "cpu")(logits, SamplingBatchInfo.from_params([params], [1], 4, "cpu")).tolist() == [1]
+    assert Sampler(0, "cpu")(logits, SamplingBatchInfo([params], [1], 4, "cpu")).tolist() == [1]
 
 
 @pytest.mark.parametrize(

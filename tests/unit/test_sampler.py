@@ -21,7 +21,7 @@ from tandem.sampling.sampling_params import SamplingParams
 
 
 def info(params: list[SamplingParams], vocab: int = 6, output_lens: list[int] | None = None) -> SamplingBatchInfo:
-    return SamplingBatchInfo.from_params(params, output_lens or [0] * len(params), vocab, "cpu")
+    return SamplingBatchInfo(params, output_lens or [0] * len(params), vocab, "cpu")
 
 
 def test_greedy_is_argmax():

@@ -241,7 +241,7 @@ def test_verify_keeps_the_target_distribution(draft):
     logits = torch.randn(2, vocab, generator=g) * 1.5
     p = torch.softmax(logits, dim=-1)
     d1 = int(p[0].argmax())  # a likely draft: accepted often enough to test the second position
-    info = SamplingBatchInfo.from_params([SamplingParams(temperature=1.0)] * n, [0] * n, vocab, "cpu")
+    info = SamplingBatchInfo([SamplingParams(temperature=1.0)] * n, [0] * n, vocab, "cpu")
     rows = logits.repeat(n, 1)
     q = None
     if draft == "draft-model":

@@ -145,13 +145,14 @@ struct DecodeTask {
     }
   }
 
-  // AVX2 values (16-bit ones widened as they are loaded): the G queries of one KV head at a time, P registers of its dims a pass:
-  // per key the G weights broadcast once, then each value vector loaded once and met by the G
-  // weights, so that G * P accumulators, G weights and one vector fit the 16 registers (P = 4 at
-  // G = 3: 2 passes over the keys instead of 4; with the vectors loaded first, 12 accumulators
-  // at G = 3 spilled one, and 384 keys took 1.2x the time). Where the values were not asked for
-  // with the keys (too many for L2), each block of 8 keys asks for the rows of the block 3
-  // ahead. The same sums in the same order as the generic loop.
+  // AVX2 values (16-bit ones widened as they are loaded): the G queries of one KV head at a time,
+  // P registers of its dims a pass: per key the G weights broadcast once, then each value
+  // vector loaded once and met by the G weights, so that G * P accumulators, G weights and one
+  // vector fit the 16 registers (P = 4 at G = 3: 2 passes over the keys instead of 4; with the
+  // vectors loaded first, 12 accumulators at G = 3 spilled one, and 384 keys took 1.2x the
+  // time). Where the values were not asked for with the keys (too many for L2), each block of 8
+  // keys asks for the rows of the block 3 ahead. The same sums in the same order as the generic
+  // loop.
   template <int G>
   void avx2_values(const T* v, int64_t v_stride_s, int64_t stride_h, int64_t kv_count, const int64_t* slots,
                    int64_t len, int64_t max_len, const float* scores, int64_t row_elems, vec16* acc) const {

@@ -353,8 +353,8 @@ namespace tandem_cpu {
 
 // q [tokens, num_heads, head_dim] (the extend tokens of every request, request after request;
 // any strides but the last); k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
-// pool, q's dtype or bfloat16 / float16 beside float32 q, holding the new tokens' keys already); req_to_token [rows, max_context]
-// int64; req_pool_indices, prefix_lens, extend_lens [bs] int64 (CPU): request b's tokens are
+// pool, q's dtype or bfloat16 / float16 beside float32 q, holding the new tokens' keys
+// already); req_to_token [rows, max_context] int64; req_pool_indices, prefix_lens, extend_lens [bs] int64 (CPU): request b's tokens are
 // q's rows sum(extend_lens[:b]) .. + extend_lens[b], at positions prefix_lens[b] + i. `window`
 // > 0: a query at position p sees the keys at (p - window, p]; `softcap` > 0: scores are
 // soft-capped (softcap * tanh(s / softcap)). Returns [tokens, num_heads * head_dim].
