@@ -56,10 +56,15 @@ def iterate_weights(model_path: str, show_progress: bool = True) -> Iterator[tup
 def check_model(server_args) -> None:
     """Read what the servers will load before starting them, so that a bad model path or
     file stops the start with one line (ValueError) rather than a subprocess' traceback:
-    the config, and a GGUF file's tokenizer (built once and cached)."""
-    load_config(server_args.model_path)
+    the config, and a GGUF file's tokenizer (built once and cached); and a `--kv-cache-dtype`
+    that cannot run beside the activations' dtype."""
+    from tandem.model_executor.model_runner import resolve_dtype, resolve_kv_cache_dtype
+
+    config = load_config(server_args.model_path)
     if not server_args.skip_tokenizer_init and is_gguf_path(server_args.tokenizer_path):
         gguf_model_dir(server_args.tokenizer_path, need_tokenizer=True)
+    dtype = resolve_dtype(server_args.dtype, config, server_args.device)
+    resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype, server_args.device)
 
 
 # --load-format dummy draws every weight from U(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE), as SGLang does.

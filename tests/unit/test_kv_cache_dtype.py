@@ -7,6 +7,7 @@ against a float32 one's on the same GGUF file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
 
 from tandem.kernels import cpu as cpu_kernels
+from tandem.model_executor.model_loader import check_model
 from tandem.model_executor.model_runner import resolve_kv_cache_dtype
 from tandem.server_args import ServerArgs
 from tandem.tools.make_tiny_model import make_tiny_model
@@ -27,8 +29,12 @@ needs_kernel = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", SHAPES)
 def test_a_16_bit_pool_reads_as_the_float32_kernels_read_it_widened(kv_dtype, num_heads, kv_heads, head_dim):
+    saved = torch.get_num_threads()
     torch.set_num_threads(2)
-    check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, LENGTHS["7-requests"][0])
+    try:
+        check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, LENGTHS["7-requests"][0])
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_auto_is_the_activations_dtype_but_float16_for_quantized_weights_on_cpu():
@@ -50,6 +56,21 @@ def test_auto_is_the_activations_dtype_but_float16_for_quantized_weights_on_cpu(
 def test_other_pairs_stop_with_a_message_naming_the_flag(kv, dtype, device):
     with pytest.raises(ValueError, match=f"--kv-cache-dtype {kv} with"):
         resolve_kv_cache_dtype(kv, dtype, device)
+
+
+def test_a_pair_that_cannot_run_stops_the_start_before_any_subprocess(tmp_path):
+    """check_model (run by launch_server and the Engine before they start anything) refuses a
+    float16 cache beside bfloat16 activations with the flag's one line."""
+    args = ServerArgs(
+        model_path=str(make_tiny_model(tmp_path / "m", arch="llama", preset="gguf")),
+        device="cpu",
+        dtype="bfloat16",
+        kv_cache_dtype="fp16",
+    )
+    args.validate()
+    with pytest.raises(ValueError, match="^--kv-cache-dtype fp16 with bfloat16 activations on CPU"):
+        check_model(args)
+    check_model(dataclasses.replace(args, dtype="float32"))
 
 
 def _args(value: str) -> ServerArgs:
