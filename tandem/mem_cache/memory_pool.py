@@ -46,6 +46,12 @@ class ReqToTokenPool:
         self._flat.index_copy_(0, flat, slots)
 
 
+def widened_pool(activations: torch.dtype, pool: torch.dtype) -> bool:
+    """Whether a pool of dtype `pool` is a 16-bit one beside float32 activations (--kv-cache-dtype):
+    keys and values rounded as they are written, widened as attention reads them."""
+    return activations == torch.float32 and pool in (torch.bfloat16, torch.float16)
+
+
 class TokenToKVPool:
     """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim], indexed by slot.
 
@@ -104,8 +110,8 @@ class TokenToKVPool:
         in one call of Tandem's C++ `kv_write` where the dtypes match, or float32 rows go into
         a 16-bit pool)."""
         k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
-        mixed = k.dtype == torch.float32 and self.dtype in (torch.bfloat16, torch.float16)
-        ops = cpu_kernels.ops_for(k, v) if mixed and k_buffer.is_cpu else cpu_kernels.ops_for(k, v, k_buffer)
+        widened = widened_pool(k.dtype, self.dtype) and k_buffer.is_cpu
+        ops = cpu_kernels.ops_for(k, v) if widened else cpu_kernels.ops_for(k, v, k_buffer)
         if ops is not None and slots.dtype == torch.int64 and k.stride(-1) == v.stride(-1) == 1:
             ops.kv_write(k_buffer, v_buffer, slots, k, v)
             return

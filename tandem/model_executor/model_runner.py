@@ -25,7 +25,7 @@ from tandem.layers.logits_processor import LogitsProcessorOutput
 from tandem.layers.sampler import Sampler, SamplingBatchInfo
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
 from tandem.lora.manager import LoraManager
-from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, widened_pool
 from tandem.model_executor.cuda_graph_runner import DEFAULT_MAX_BS, CudaGraphRunner, capture_batch_sizes
 from tandem.model_executor.model_loader import initialize_dummy_weights, iterate_weights, load_config
 from tandem.models.context import ModelContext
@@ -150,7 +150,7 @@ def resolve_kv_cache_dtype(
     if kv_cache_dtype == "auto":
         return torch.float16 if quantized and device == "cpu" and dtype == torch.float32 else dtype
     kv = getattr(torch, _KV_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype))
-    if kv == dtype or (device == "cpu" and dtype == torch.float32 and kv in (torch.bfloat16, torch.float16)):
+    if kv == dtype or (device == "cpu" and widened_pool(dtype, kv)):
         return kv
     where = "on CPU" if device == "cpu" else f"on {device} (a KV dtype other than the activations' is CPU-only)"
     raise ValueError(

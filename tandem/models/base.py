@@ -43,6 +43,7 @@ from tandem.layers.quantization.gguf_linear import place_in_huge_pages
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.weight_shard import CheckpointTensor, read_whole
+from tandem.mem_cache.memory_pool import widened_pool
 from tandem.models.context import ModelContext
 from tandem.sglang_flags import QUANTIZE_AT_LOAD
 
@@ -382,9 +383,7 @@ class DecoderModel(nn.Module):
             return None
         if ctx.lora is not None:  # the fused layer adds no LoRA delta
             return None
-        pool_ok = ctx.kv_pool.dtype == hidden.dtype or (
-            hidden.dtype == torch.float32 and ctx.kv_pool.dtype in (torch.bfloat16, torch.float16)
-        )
+        pool_ok = ctx.kv_pool.dtype == hidden.dtype or widened_pool(hidden.dtype, ctx.kv_pool.dtype)
         if hidden.dtype != cos_sin.dtype or not pool_ok or not hidden.is_cpu:
             return None
         return ctx.attn_backend.cpu_decode_tables(fb)
