@@ -52,7 +52,7 @@ QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1")
 
 # `--kv-cache-dtype` values built: auto (the activations' dtype) and the dtypes by name
 # (tandem.model_executor.model_runner.resolve_kv_cache_dtype says which pairs run).
-KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8_e5m2", "fp8_e4m3")
 
 _OFF = _is(None, False)
 _INT = {"type": int}
@@ -108,7 +108,7 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         "kv_cache_dtype",
         ("--kv-cache-dtype",),
-        "fp8 / fp4 KV caches are not built; the dtypes built are " + ", ".join(KV_CACHE_DTYPES),
+        "fp4 KV caches are not built; the dtypes built are " + ", ".join(KV_CACHE_DTYPES),
         _is(*KV_CACHE_DTYPES),
     ),
     CompatFlag(

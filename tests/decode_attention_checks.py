@@ -137,30 +137,61 @@ def check_extend_attention(ops, dtype, tol, num_heads, kv_heads, head_dim, windo
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-def check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, seq_lens):
-    """float32 queries on a bfloat16 / float16 pool (--kv-cache-dtype): decode and prefill
-    attention equal, bit for bit, the float32 kernels on the same pool widened to float32 (each
-    row is widened exactly as it is read); kv_write rounds float32 rows as PyTorch's cast."""
+# The narrower pools beside each activation dtype (--kv-cache-dtype; widened_pool).
+NARROW_POOLS = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.float8_e5m2),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2),
+    (torch.bfloat16, torch.float8_e4m3fn),
+]
+
+
+def check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, seq_lens, q_dtype=torch.float32):
+    """Queries of q_dtype on a narrower pool (--kv-cache-dtype: NARROW_POOLS): decode and prefill
+    attention equal the same kernels on the pool widened to q_dtype, which holds its values
+    exactly (each row is widened exactly as it is read): bit for bit with float32 queries; with
+    bfloat16 ones within bfloat16's rounding (a bfloat16 pool may take other loops, VDPBF16PS). kv_write
+    rounds rows of q_dtype as PyTorch's cast."""
     kv, rows, per_req = make_pool(seq_lens, num_heads, kv_heads, head_dim, kv_dtype)
-    wide = TokenToKVPool(kv.size, 1, kv_heads, head_dim, torch.float32, "cpu")
+    wide = TokenToKVPool(kv.size, 1, kv_heads, head_dim, q_dtype, "cpu")
     wide.k_buffer[0].copy_(kv.k_buffer[0])
     wide.v_buffer[0].copy_(kv.v_buffer[0])
+
+    def same(got, want):
+        assert got.dtype == q_dtype
+        if q_dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, equal_nan=False)
+
     bs, scale = len(seq_lens), head_dim**-0.5
-    q = torch.randn(bs, num_heads, head_dim)
+    q = torch.randn(bs, num_heads, head_dim).to(q_dtype)
     args = (rows.req_to_token, torch.tensor([r[0] for r in per_req]), torch.tensor(seq_lens), scale)
-    out = ops.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], *args)
-    assert out.dtype == torch.float32
-    assert torch.equal(out, ops.decode_attention(q, wide.k_buffer[0], wide.v_buffer[0], *args))
+    same(
+        ops.decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], *args),
+        ops.decode_attention(q, wide.k_buffer[0], wide.v_buffer[0], *args),
+    )
     prefix_lens = [n // 3 for n in seq_lens]
     tokens = sum(n - p for n, p in zip(seq_lens, prefix_lens))
-    qe = torch.randn(tokens, num_heads, head_dim)
-    got = run_extend(ops, qe, kv, per_req, prefix_lens, scale, rows=rows)
-    assert torch.equal(got, run_extend(ops, qe, wide, per_req, prefix_lens, scale, rows=rows))
+    qe = torch.randn(tokens, num_heads, head_dim).to(q_dtype)
+    same(
+        run_extend(ops, qe, kv, per_req, prefix_lens, scale, rows=rows),
+        run_extend(ops, qe, wide, per_req, prefix_lens, scale, rows=rows),
+    )
     slots = torch.tensor([3, 1, 7])
-    k_new, v_new = torch.randn(3, kv_heads, head_dim) * 100, torch.randn(3, kv_heads, head_dim)
+    k_new = (torch.randn(3, kv_heads, head_dim) * 100).to(q_dtype)
+    v_new = torch.randn(3, kv_heads, head_dim).to(q_dtype)
+    if kv_dtype == torch.float8_e4m3fn:
+        k_new[0, 0, :2] = torch.tensor([500.0, -1e4])  # past e4m3fn's largest (448): its NaN, as the cast
     ops.kv_write(kv.k_buffer[0], kv.v_buffer[0], slots, k_new, v_new)
-    assert torch.equal(kv.k_buffer[0][slots], k_new.to(kv_dtype))
-    assert torch.equal(kv.v_buffer[0][slots], v_new.to(kv_dtype))
+
+    def bits(t):  # compared as bit patterns: NaN equals NaN
+        return t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
+
+    assert torch.equal(bits(kv.k_buffer[0][slots]), bits(k_new.to(kv_dtype)))
+    assert torch.equal(bits(kv.v_buffer[0][slots]), bits(v_new.to(kv_dtype)))
 
 
 if __name__ == "__main__":
@@ -175,7 +206,7 @@ if __name__ == "__main__":
                 check_decode_attention(torch.ops.tandem_cpu, dtype, tol, *heads, seq_lens)
         for window, softcap in ((0, 0.0), (21, 0.0), (0, 30.0)):
             check_extend_attention(torch.ops.tandem_cpu, dtype, tol, 9, 3, 64, window, softcap)
-    for kv_dtype in (torch.bfloat16, torch.float16):
+    for q_dtype, kv_dtype in NARROW_POOLS:
         for heads in SHAPES:
-            check_kv_dtype_pool(torch.ops.tandem_cpu, kv_dtype, *heads, LENGTHS["7-requests"][0])
+            check_kv_dtype_pool(torch.ops.tandem_cpu, kv_dtype, *heads, LENGTHS["7-requests"][0], q_dtype)
     print("ok")

@@ -46,9 +46,15 @@ class ReqToTokenPool:
         self._flat.index_copy_(0, flat, slots)
 
 
+FP8_POOLS = (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
 def widened_pool(activations: torch.dtype, pool: torch.dtype) -> bool:
-    """Whether a pool of dtype `pool` is a 16-bit one beside float32 activations (--kv-cache-dtype):
-    keys and values rounded as they are written, widened as attention reads them."""
+    """Whether a pool of dtype `pool` is a narrower one beside the activations (--kv-cache-dtype,
+    on CPU): 16-bit beside float32 activations, fp8 beside float32 or bfloat16 ones. Keys and
+    values are rounded as they are written and widened as attention reads them."""
+    if pool in FP8_POOLS:
+        return activations in (torch.float32, torch.bfloat16)
     return activations == torch.float32 and pool in (torch.bfloat16, torch.float16)
 
 
@@ -107,13 +113,16 @@ class TokenToKVPool:
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The tokens' keys and values [n, kv_heads, head_dim] into `slots` of the layer (on CPU
-        in one call of Tandem's C++ `kv_write` where the dtypes match, or float32 rows go into
-        a 16-bit pool)."""
+        in one call of Tandem's C++ `kv_write` where the dtypes match, or the rows are rounded
+        into a narrower pool: `widened_pool`)."""
         k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
         widened = widened_pool(k.dtype, self.dtype) and k_buffer.is_cpu
         ops = cpu_kernels.ops_for(k, v) if widened else cpu_kernels.ops_for(k, v, k_buffer)
         if ops is not None and slots.dtype == torch.int64 and k.stride(-1) == v.stride(-1) == 1:
             ops.kv_write(k_buffer, v_buffer, slots, k, v)
             return
-        k_buffer.index_copy_(0, slots, k.to(self.dtype))
-        v_buffer.index_copy_(0, slots, v.to(self.dtype))
+        if self.dtype in FP8_POOLS:  # PyTorch's index_copy_ has no fp8 kernel: copied as bytes
+            k_buffer, v_buffer = k_buffer.view(torch.uint8), v_buffer.view(torch.uint8)
+            k, v = k.to(self.dtype).view(torch.uint8), v.to(self.dtype).view(torch.uint8)
+        k_buffer.index_copy_(0, slots, k.to(k_buffer.dtype))
+        v_buffer.index_copy_(0, slots, v.to(v_buffer.dtype))

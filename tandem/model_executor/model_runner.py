@@ -133,7 +133,13 @@ def resolve_dtype(dtype: str, config, device: str, native_bf16: bool | None = No
     return torch.bfloat16
 
 
-_KV_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_KV_DTYPE_NAMES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8_e5m2": "float8_e5m2",
+    "fp8_e4m3": "float8_e4m3fn",
+}
 
 
 def resolve_kv_cache_dtype(
@@ -144,8 +150,9 @@ def resolve_kv_cache_dtype(
     --quantization q* under --dtype auto; no exact float32 reference any more), as llama.cpp
     keeps the same file's cache: half the bytes a decode step's attention reads (0.80-0.91 of
     the step of the default model's Q4_0 file on 2 Zen 3 cores, docs/perf-log/kv-cache-dtype.md).
-    A dtype by name must be the activations', or on CPU bfloat16 / float16 beside float32
-    activations (keys and values rounded as they are written, widened to float32 as attention
+    A dtype by name must be the activations', or on CPU a narrower pool (`widened_pool`:
+    bfloat16 / float16 beside float32 activations, fp8_e5m2 / fp8_e4m3 beside float32 or bfloat16
+    ones; keys and values rounded as they are written, with no scale, and widened as attention
     reads them). ValueError for any other pair."""
     if kv_cache_dtype == "auto":
         return torch.float16 if quantized and device == "cpu" and dtype == torch.float32 else dtype
@@ -155,7 +162,8 @@ def resolve_kv_cache_dtype(
     where = "on CPU" if device == "cpu" else f"on {device} (a KV dtype other than the activations' is CPU-only)"
     raise ValueError(
         f"--kv-cache-dtype {kv_cache_dtype} with {str(dtype).removeprefix('torch.')} activations {where}: "
-        "the KV cache takes the activations' dtype, or bfloat16 / float16 beside float32 activations on CPU"
+        "the KV cache takes the activations' dtype, or on CPU bfloat16 / float16 beside float32 activations "
+        "and fp8_e5m2 / fp8_e4m3 beside float32 or bfloat16 ones"
     )
 
 

@@ -1,8 +1,8 @@
-"""`--kv-cache-dtype`: a bfloat16 / float16 KV pool beside float32 activations on CPU (the
-kernels read it widened, bit for bit as the float32 kernels read the widened pool: the checks
-in tests/decode_attention_checks.py), which dtypes and pairs start, the default for quantized
-models (float16, as llama.cpp keeps a GGUF file's cache), and a float16 cache's logits
-against a float32 one's on the same GGUF file."""
+"""`--kv-cache-dtype`: a narrower KV pool on CPU, bfloat16 / float16 beside float32 activations
+and fp8 (e5m2, e4m3fn) beside float32 or bfloat16 ones (the kernels read it widened, as they
+read the widened pool: the checks in tests/decode_attention_checks.py), which dtypes and pairs
+start, the default for quantized models (float16, as llama.cpp keeps a GGUF file's cache), and
+a float16 / fp8 cache's logits against a float32 one's on the same GGUF file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from decode_attention_checks import LENGTHS, SHAPES, check_kv_dtype_pool
+from decode_attention_checks import LENGTHS, NARROW_POOLS, SHAPES, check_kv_dtype_pool
 from gguf_writer import write_gguf
 from runner_steps import greedy_steps, make_runner
 
@@ -26,15 +26,36 @@ needs_kernel = pytest.mark.skipif(ops is None, reason="Tandem's C++ CPU kernels 
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_dtype,kv_dtype", NARROW_POOLS)
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", SHAPES)
-def test_a_16_bit_pool_reads_as_the_float32_kernels_read_it_widened(kv_dtype, num_heads, kv_heads, head_dim):
+def test_a_narrower_pool_reads_as_the_kernels_read_it_widened(q_dtype, kv_dtype, num_heads, kv_heads, head_dim):
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, LENGTHS["7-requests"][0])
+        check_kv_dtype_pool(ops, kv_dtype, num_heads, kv_heads, head_dim, LENGTHS["7-requests"][0], q_dtype)
     finally:
         torch.set_num_threads(saved)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim", [16, 64])  # the generic loops, and (64) the AVX2 ones
+def test_the_fp8_widening_is_exact_for_every_byte(dtype, head_dim):
+    """Each of the 256 bytes of an fp8 dtype, widened by the kernels, equals PyTorch's widening,
+    NaNs included: decode attention over one key is that key's value row."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype)
+    want = values.float()
+    k, v = torch.zeros(2, 1, head_dim, dtype=dtype), torch.zeros(2, 1, head_dim, dtype=dtype)
+    got = []
+    for b in range(0, 256, head_dim):
+        v[1, 0] = values[b : b + head_dim]
+        out = ops.decode_attention(
+            torch.zeros(1, 1, head_dim), k, v, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([1]), 1.0
+        )
+        got.append(out.view(head_dim))
+    got = torch.cat(got)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
 def test_auto_is_the_activations_dtype_but_float16_for_quantized_weights_on_cpu():
@@ -47,11 +68,19 @@ def test_auto_is_the_activations_dtype_but_float16_for_quantized_weights_on_cpu(
     assert resolve_kv_cache_dtype("bf16", f32, "cpu", quantized=True) == bf16
     assert resolve_kv_cache_dtype("float32", f32, "cpu", quantized=True) == f32
     assert resolve_kv_cache_dtype("bfloat16", bf16, "cuda") == bf16
+    assert resolve_kv_cache_dtype("fp8_e5m2", f32, "cpu") == torch.float8_e5m2
+    assert resolve_kv_cache_dtype("fp8_e4m3", bf16, "cpu") == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize(
     "kv,dtype,device",
-    [("float16", torch.bfloat16, "cpu"), ("float32", torch.bfloat16, "cpu"), ("float16", torch.float32, "cuda")],
+    [
+        ("float16", torch.bfloat16, "cpu"),
+        ("float32", torch.bfloat16, "cpu"),
+        ("float16", torch.float32, "cuda"),
+        ("fp8_e5m2", torch.float16, "cpu"),
+        ("fp8_e4m3", torch.bfloat16, "cuda"),
+    ],
 )
 def test_other_pairs_stop_with_a_message_naming_the_flag(kv, dtype, device):
     with pytest.raises(ValueError, match=f"--kv-cache-dtype {kv} with"):
@@ -79,14 +108,16 @@ def _args(value: str) -> ServerArgs:
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/m", "--kv-cache-dtype", value]))
 
 
-@pytest.mark.parametrize("value", ["fp16", "float16", "bf16", "bfloat16", "fp32", "float32", "auto"])
+@pytest.mark.parametrize(
+    "value", ["fp16", "float16", "bf16", "bfloat16", "fp32", "float32", "auto", "fp8_e5m2", "fp8_e4m3"]
+)
 def test_kv_dtypes_built_start(value):
     _args(value).validate()
 
 
-@pytest.mark.parametrize("value", ["fp8_e5m2", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("value", ["fp4_e2m1", "int8"])
 def test_kv_dtypes_not_built_stop_the_start(value):
-    with pytest.raises(ValueError, match="^--kv-cache-dtype .*fp8"):
+    with pytest.raises(ValueError, match="^--kv-cache-dtype .*fp8_e4m3"):
         _args(value).validate()
 
 

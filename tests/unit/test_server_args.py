@@ -23,7 +23,7 @@ SET_VALUES = {
     "tokenizer_worker_num": ["0"],
     "load_format": ["pt"],
     "page_size": ["16"],
-    "kv_cache_dtype": ["fp8_e5m2"],
+    "kv_cache_dtype": ["fp4_e2m1"],
     "quantization": ["fp8"],
     "lora_paths": ["a=/x", "b=/y"],
     "reasoning_parser": ["glm45"],

@@ -103,7 +103,8 @@ struct DecodeTask {
   // rows the AVX2 loops below widen 8 at a time (float16 by F16C)
   static constexpr bool kAvx2Rows = C > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>
 #if defined(__F16C__)
-                                               || std::is_same_v<T, c10::Half>
+                                               || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::Float8_e5m2>
+                                               || std::is_same_v<T, c10::Float8_e4m3fn>
 #endif
                                                );
 #endif
@@ -575,8 +576,8 @@ int64_t decode_attention_partial_floats(int64_t bs, int64_t num_heads, const at:
 // k_cache[slots[i]] = k[i] and v_cache[slots[i]] = v[i]: the step's new keys and values into
 // one layer of the pool, one call for both (two index_copy_ cost ~10 us a layer at decode).
 // k, v [n, kv_heads, head_dim] (any strides with the head dim contiguous: views of the QKV
-// output), the caches' dtype, or float32 into a bfloat16 / float16 cache (rounded to nearest
-// even, as PyTorch's cast); slots [n] int64, each a slot of the cache.
+// output), the caches' dtype, or rounded into a narrower cache (a pair kv_dtype_pairs takes:
+// to nearest even, as PyTorch's cast); slots [n] int64, each a slot of the cache.
 void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
@@ -588,25 +589,27 @@ void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
               "kv_write: k, v [n, kv_heads, head_dim] (head dim contiguous) into contiguous caches of that shape");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   kv_dtype_pairs(k.scalar_type(), k_cache.scalar_type()),
-              "kv_write: k and v in their cache's dtype, or float32 into a bfloat16 / float16 cache");
+              "kv_write: k and v in their cache's dtype, or float32 into a bfloat16 / float16 / fp8 cache, or "
+              "bfloat16 into an fp8 one");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "kv_write: slots must be int64");
   const auto idx = slots.contiguous();
   const int64_t* sp = idx.data_ptr<int64_t>();
   const int64_t n = slots.numel(), capacity = k_cache.size(0);
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < capacity, "kv_write: slot ", sp[i], " out of range");
-  if (k.scalar_type() != k_cache.scalar_type()) {  // float32 rows rounded into the 16-bit cache
-    dispatch_kv_dtypes(k.scalar_type(), k_cache.scalar_type(), "kv_write", [&](auto, auto kv_type) {
+  if (k.scalar_type() != k_cache.scalar_type()) {  // rows rounded into the narrower cache
+    dispatch_kv_dtypes(k.scalar_type(), k_cache.scalar_type(), "kv_write", [&](auto q_type, auto kv_type) {
+      using Q = decltype(q_type);
       using T = decltype(kv_type);
       auto convert = [&](at::Tensor& cache, const at::Tensor& src) {
         const int64_t heads = src.size(1), dim = src.size(2), whole = dim / 16 * 16;
-        T* dst = cache.data_ptr<T>();
-        const float* from = src.data_ptr<float>();
+        T* dst = static_cast<T*>(cache.data_ptr());
+        const Q* from = static_cast<const Q*>(src.data_ptr());
         for (int64_t i = 0; i < n; ++i)
           for (int64_t h = 0; h < heads; ++h) {
-            const float* s = from + i * src.stride(0) + h * src.stride(1);
+            const Q* s = from + i * src.stride(0) + h * src.stride(1);
             T* d = dst + (sp[i] * heads + h) * dim;
             for (int64_t c = 0; c < whole; c += 16) store16(d + c, load16(s + c));
-            for (int64_t c = whole; c < dim; ++c) d[c] = static_cast<T>(s[c]);
+            for (int64_t c = whole; c < dim; ++c) d[c] = static_cast<T>(static_cast<float>(s[c]));
           }
       };
       convert(k_cache, k);

@@ -90,17 +90,28 @@ struct Share {
   }
 };
 
-// The (activations, KV pool) dtypes the attention kernels and kv_write take: one dtype, or a
-// bfloat16 / float16 pool beside float32 activations (--kv-cache-dtype).
+// The (activations, KV pool) dtypes the attention kernels and kv_write take: one dtype, a
+// bfloat16 / float16 pool beside float32 activations, or an fp8 pool (e5m2, e4m3fn) beside
+// float32 or bfloat16 ones (--kv-cache-dtype).
+inline bool is_fp8(at::ScalarType kv) { return kv == at::kFloat8_e5m2 || kv == at::kFloat8_e4m3fn; }
 inline bool kv_dtype_pairs(at::ScalarType act, at::ScalarType kv) {
   const bool known = act == at::kFloat || act == at::kBFloat16 || act == at::kHalf;
-  return known && (kv == act || (act == at::kFloat && (kv == at::kBFloat16 || kv == at::kHalf)));
+  return known && (kv == act || (act == at::kFloat && (kv == at::kBFloat16 || kv == at::kHalf)) ||
+                   ((act == at::kFloat || act == at::kBFloat16) && is_fp8(kv)));
 }
 
 // f(Q{}, T{}) with Q the activations' C++ type and T the pool's, for a pair kv_dtype_pairs takes.
 template <typename F>
 void dispatch_kv_dtypes(at::ScalarType act, at::ScalarType kv, const char* name, const F& f) {
   TORCH_CHECK(kv_dtype_pairs(act, kv), name, ": unsupported dtypes ", act, " (activations) and ", kv, " (KV)");
+  if (is_fp8(kv)) {
+    auto pool = [&](auto q) {
+      if (kv == at::kFloat8_e5m2) return f(q, c10::Float8_e5m2{});
+      return f(q, c10::Float8_e4m3fn{});
+    };
+    if (act == at::kBFloat16) return pool(c10::BFloat16{});
+    return pool(float{});
+  }
   if (act == at::kBFloat16) return f(c10::BFloat16{}, c10::BFloat16{});
   if (act == at::kHalf) return f(c10::Half{}, c10::Half{});
   if (kv == at::kBFloat16) return f(float{}, c10::BFloat16{});

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -118,6 +120,69 @@ inline vec16 load16(const c10::Half* p) {
 #endif
 }
 
+// fp8 KV pools (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) widen through float16 bit patterns, which
+// hold every fp8 value exactly: an e5m2 byte is a float16's high byte (infinities and NaNs
+// included); an e4m3fn byte's exponent and mantissa, 7 bits up, are a float16 of its value / 256
+// (its subnormals become float16 normals), the sign on top, and its NaN (S.1111.111, no
+// infinities) stays a NaN. `fp8_half_bits` does that on the lanes of an integer vector holding
+// one byte each (16-bit lanes, so that the results are float16 patterns).
+inline bool is_fp8_e4m3(const c10::Float8_e4m3fn*) { return true; }
+inline bool is_fp8_e4m3(const c10::Float8_e5m2*) { return false; }
+template <typename B>
+inline B fp8_half_bits(B b, bool e4m3) {
+  if (!e4m3) return b << 8;
+  const B mag = b & 0x7F;
+  return ((b & 0x80) << 8) | (mag << 7) | ((B)(mag == 0x7F) & 0x7E00);  // NaN: float16 0x7F.. stays NaN
+}
+#if defined(__AVX2__)
+inline __m256i fp8_half_bits(__m256i b, bool e4m3) {  // 16 bytes in 16-bit lanes
+  if (!e4m3) return _mm256_slli_epi16(b, 8);
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
+  return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(mag, 7)), nan);
+}
+#endif
+// The scale an e4m3fn byte's float16 pattern is off by (2^8), else 1.
+inline float fp8_scale(bool e4m3) { return e4m3 ? 256.0f : 1.0f; }
+template <typename F8>
+inline vec16 load16_fp8(const F8* p) {
+  const bool e4m3 = is_fp8_e4m3(p);
+#if defined(__AVX2__) && (defined(__AVX512F__) || defined(__F16C__))
+  const __m256i h = fp8_half_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), e4m3);
+#if defined(__AVX512F__)
+  return (vec16)_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(fp8_scale(e4m3)));
+#else
+  const __m256 scale = _mm256_set1_ps(fp8_scale(e4m3));
+  const __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale);
+  const __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), scale);
+  vec16 v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#endif
+#else
+  u16x16 b;
+  uint8_t bytes[16];
+  std::memcpy(bytes, p, 16);
+  for (int i = 0; i < 16; ++i) b[i] = bytes[i];
+  const u16x16 h = fp8_half_bits(b, e4m3);
+  c10::Half halves[16];
+  std::memcpy(halves, &h, sizeof(h));
+  return load16(halves) * fp8_scale(e4m3);
+#endif
+}
+inline vec16 load16(const c10::Float8_e5m2* p) { return load16_fp8(p); }
+inline vec16 load16(const c10::Float8_e4m3fn* p) { return load16_fp8(p); }
+// Rounded as PyTorch's cast rounds (c10's conversion: to nearest even; e4m3fn's out-of-range
+// values become its NaN, as the cast's).
+inline void store16(c10::Float8_e5m2* p, vec16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::Float8_e5m2>(v[i]);
+}
+inline void store16(c10::Float8_e4m3fn* p, vec16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::Float8_e4m3fn>(v[i]);
+}
+
 // bfloat16 bit patterns (in 32-bit lanes) of 16 floats, rounded as PyTorch rounds: to
 // nearest even, a NaN kept a NaN.
 inline uvec16 bf16_bits(vec16 v) {
@@ -180,6 +245,16 @@ inline __m256 load8f(const c10::BFloat16* p) {
 }
 #if defined(__F16C__)
 inline __m256 load8f(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 fp8 bytes as 8 floats (fp8_half_bits on 16-bit lanes, then F16C).
+template <typename F8>
+inline __m256 load8f_fp8(const F8* p) {
+  const bool e4m3 = is_fp8_e4m3(p);
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // 8 used
+  const __m256 f = _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_half_bits(b, e4m3)));
+  return e4m3 ? _mm256_mul_ps(f, _mm256_set1_ps(256.0f)) : f;
+}
+inline __m256 load8f(const c10::Float8_e5m2* p) { return load8f_fp8(p); }
+inline __m256 load8f(const c10::Float8_e4m3fn* p) { return load8f_fp8(p); }
 #endif
 
 // Without AVX-512 a vec16 is two AVX2 registers, and GCC lowers the two-input 16-lane shuffles
