@@ -222,6 +222,8 @@ def test_an_fp8_kv_cache_keeps_the_perplexity_close(engines, tokenizer, model_fi
     want = perplexity(dequantized.generate(**score))
     with Engine(model_path=str(model_file), dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_total_tokens=4096) as fp8:
         got = perplexity(fp8.generate(**score))
-    report = f"{kv_cache_dtype}: perplexity {got:.5f}, dequantized with a float32 cache {want:.5f} ({got / want - 1:+.2e})"
+    report = (
+        f"{kv_cache_dtype}: perplexity {got:.5f}, dequantized with a float32 cache {want:.5f} ({got / want - 1:+.2e})"
+    )
     print(report)
     assert abs(got / want - 1) < FP8_PERPLEXITY_BOUNDS[kv_cache_dtype], report
