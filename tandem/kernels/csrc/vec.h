@@ -131,16 +131,15 @@ inline bool is_fp8_e4m3(const c10::Float8_e5m2*) { return false; }
 template <typename B>
 inline B fp8_half_bits(B b, bool e4m3) {
   if (!e4m3) return b << 8;
-  const B mag = b & 0x7F;
-  return ((b & 0x80) << 8) | (mag << 7) | ((B)(mag == 0x7F) & 0x7E00);  // NaN: float16 0x7F.. stays NaN
+  // (b + sign) << 7: the magnitude 7 bits up and the sign, carried, on top
+  return ((b + (b & 0x80)) << 7) | ((B)((b & 0x7F) == 0x7F) & 0x7E00);  // NaN: float16 0x7F.. stays NaN
 }
 #if defined(__AVX2__)
 inline __m256i fp8_half_bits(__m256i b, bool e4m3) {  // 16 bytes in 16-bit lanes
   if (!e4m3) return _mm256_slli_epi16(b, 8);
+  const __m256i h = _mm256_slli_epi16(_mm256_add_epi16(b, _mm256_and_si256(b, _mm256_set1_epi16(0x80))), 7);
   const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
-  return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                         _mm256_slli_epi16(mag, 7)), nan);
+  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00)));
 }
 #endif
 // The scale an e4m3fn byte's float16 pattern is off by (2^8), else 1.
