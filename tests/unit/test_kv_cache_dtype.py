@@ -176,3 +176,30 @@ def test_a_dense_model_keeps_its_activations_dtype(tmp_path):
         make_tiny_model(tmp_path / "m", arch="llama", preset="gguf"), dtype="float32", kv_cache_dtype="auto"
     )
     assert runner.token_to_kv_pool.k_buffer[0].dtype == torch.float32
+
+
+# (activations, fp8 pool): the most the first steps' logits may differ from the same
+# activations' full-width cache, relative to their largest (measured on this random model,
+# whose near-flat logits part the tokens early: 7.6e-2, 2.2e-1).
+FP8_LOGIT_BOUNDS = [("float32", "fp8_e4m3", 0.15), ("bfloat16", "fp8_e5m2", 0.4)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,kv,bound", FP8_LOGIT_BOUNDS)
+def test_an_fp8_cache_runs_the_fused_decode_steps(q8_gguf, dtype, kv, bound):
+    """An fp8 pool beside float32 or bfloat16 activations: every decode step runs the layers in
+    one C++ call (decode_layers reads and writes the fp8 pool), and the logits stay near a
+    full-width cache's while the greedy tokens agree. (The default model's perplexity with
+    an fp8 cache: tests/server/test_quantized_accuracy.py.)"""
+    runner = make_runner(q8_gguf, dtype=dtype, kv_cache_dtype=kv)
+    assert runner.token_to_kv_pool.k_buffer[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fused = []
+    stack = runner.model.model._fused_stack
+    runner.model.model._fused_stack = lambda: fused.append(stack()) or fused[-1]
+    got = greedy_steps(runner, PROMPTS, STEPS)
+    assert len(fused) == STEPS and all(s is not None for s in fused)
+    want = greedy_steps(make_runner(q8_gguf, dtype=dtype, kv_cache_dtype=dtype), PROMPTS, STEPS)
+    agree = next((s for s in range(STEPS) if [ids[s] for ids in got[0]] != [ids[s] for ids in want[0]]), STEPS)
+    for a, b in list(zip(got[1], want[1]))[: agree + 1]:
+        a, b = a.float(), b.float()
+        assert (a - b).abs().max() <= bound * b.abs().max(), ((a - b).abs().max(), b.abs().max())
