@@ -207,13 +207,14 @@ def test_an_fp8_cache_runs_the_fused_decode_steps(q8_gguf, dtype, kv, bound):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
 def test_set_kv_writes_an_fp8_pool_without_the_kernel(dtype):
-    """PyTorch's path of `set_kv` (no C++ kernel: here int32 slots, which kv_write does not take)
-    rounds the rows as the cast does, though PyTorch's index_copy_ has no fp8 kernel."""
+    """PyTorch's path of `set_kv` (no C++ kernel: here rows whose head dim is strided, which
+    kv_write does not take) rounds the rows as the cast does, though PyTorch's index_copy_ has no
+    fp8 kernel."""
     from tandem.mem_cache.memory_pool import TokenToKVPool
 
     pool = TokenToKVPool(8, 1, 2, 16, dtype, "cpu")
-    k, v = torch.randn(3, 2, 16) * 10, torch.randn(3, 2, 16)
-    slots = torch.tensor([5, 2, 7], dtype=torch.int32)
+    k, v = torch.randn(3, 2, 32)[..., ::2] * 10, torch.randn(3, 2, 32)[..., ::2]
+    slots = torch.tensor([5, 2, 7])
     pool.set_kv(0, slots, k, v)
-    assert torch.equal(pool.k_buffer[0][slots.long()].view(torch.uint8), k.to(dtype).view(torch.uint8))
-    assert torch.equal(pool.v_buffer[0][slots.long()].view(torch.uint8), v.to(dtype).view(torch.uint8))
+    assert torch.equal(pool.k_buffer[0][slots].view(torch.uint8), k.to(dtype).view(torch.uint8))
+    assert torch.equal(pool.v_buffer[0][slots].view(torch.uint8), v.to(dtype).view(torch.uint8))
