@@ -197,15 +197,17 @@ def test_perplexity_within_one_percent(engines, tokenizer):
 
 
 # fp8 KV cache (--kv-cache-dtype, no scales): the most its perplexity may differ from the
-# dequantized model's (float32, float32 cache), relative. Measured: fp8_e4m3 -0.011%, fp8_e5m2 +2.54%.
-FP8_PERPLEXITY_BOUNDS = {"fp8_e4m3": 0.01, "fp8_e5m2": 0.05}
+# dequantized model's (float32, float32 cache), relative. Measured: fp8_e4m3 -0.011% (fp8_e5m2,
+# not run here to keep the suite's time: +2.54%, docs/perf-log/kv-cache-dtype.md).
+FP8_PERPLEXITY_BOUNDS = {"fp8_e4m3": 0.01}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8_PERPLEXITY_BOUNDS))
 def test_an_fp8_kv_cache_keeps_the_perplexity_close(engines, tokenizer, model_file, kv_cache_dtype):
     """The quantized model with its keys and values in fp8 (float32 activations; the text scored
     in one forward, which reads the prompt's keys back from the fp8 pool) against the dequantized
-    model with a float32 cache."""
+    model with a float32 cache. (fp8_e5m2's rounding is checked on the tiny model:
+    tests/unit/test_kv_cache_dtype.py.)"""
     from tandem import Engine
 
     dtype, _, dequantized = engines
