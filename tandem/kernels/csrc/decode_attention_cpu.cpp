@@ -85,7 +85,7 @@ inline void softmax_scores(float* si, int64_t len, float& peak_out, float& total
 // (queries `kv_count * group`, query head i reads KV head h0 + i / group). Per key slot the
 // task reads the rows of all its KV heads, which lie side by side in the pool, so a
 // request's keys and values stream from memory once. Q: the queries' and output's dtype, T:
-// the pool's (Q itself, or a 16-bit pool beside float32 queries: --kv-cache-dtype), each row
+// the pool's (Q itself, or a narrower pool: kv_dtype_pairs, --kv-cache-dtype), each row
 // widened to float32 as it is read. C: head_dim / 16 when a compile-time constant, else 0 and
 // `chunks` says it.
 template <typename Q, typename T, int C>
@@ -519,7 +519,7 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
 namespace tandem_cpu {
 
 // q [bs, num_heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
-// pool, q's dtype); req_to_token [rows, max_context] int64; req_pool_indices, seq_lens [bs]
+// pool, q's dtype or a narrower one: kv_dtype_pairs); req_to_token [rows, max_context] int64; req_pool_indices, seq_lens [bs]
 // int64. `window` > 0: each query sees only the last `window` keys of its request (keys at
 // positions (p - window, p] for the query at p, transformers' sliding window); `softcap` > 0:
 // the scaled scores are soft-capped, softcap * tanh(s / softcap), before the softmax.
@@ -543,7 +543,7 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_dtype_pairs(q.scalar_type(), k_cache.scalar_type()),
-              "decode_attention: k and v in q's dtype, or in bfloat16 / float16 beside float32 q");
+              "decode_attention: ", kKvDtypePairs);
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 &&
                   k_cache.stride(1) == v_cache.stride(1),
               "decode_attention: the head dimension must be contiguous, K and V laid out alike");
@@ -589,8 +589,7 @@ void kv_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
               "kv_write: k, v [n, kv_heads, head_dim] (head dim contiguous) into contiguous caches of that shape");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   kv_dtype_pairs(k.scalar_type(), k_cache.scalar_type()),
-              "kv_write: k and v in their cache's dtype, or float32 into a bfloat16 / float16 / fp8 cache, or "
-              "bfloat16 into an fp8 one");
+              "kv_write (its rows k, v as q, its caches as k and v): ", kKvDtypePairs);
   TORCH_CHECK(slots.scalar_type() == at::kLong, "kv_write: slots must be int64");
   const auto idx = slots.contiguous();
   const int64_t* sp = idx.data_ptr<int64_t>();

@@ -2,8 +2,8 @@
 // same order as the Python layer (tandem/models/llama.py) runs them one op call each, so the
 // result is the same bit for bit, without the ~50 us a layer of Python and dispatch between
 // them (a 30-layer model's decode step makes ~400 such calls). Used on CPU where every linear
-// layer of the decoder layer runs quantized, the pool's dtype is the model's (or a 16-bit pool
-// beside float32 activations: kv_write and decode attention widen and round its rows) and the
+// layer of the decoder layer runs quantized, the pool's dtype is the model's (or a narrower pool,
+// ops.h kv_dtype_pairs: kv_write rounds its rows, decode attention widens them) and the
 // attention backend reads through the C++ decode kernel (`LlamaModel.forward` decides).
 //
 //   h = rms_norm(hidden [+= residual]); qkv = h @ Wqkv (+ b); rotate q, k; k, v into the pool;

@@ -152,7 +152,7 @@ inline float avx2_softmax_row(const float* sc, int64_t k0, int64_t lo, int64_t p
 
 // Rows [queries q0 .. q0 + nq of request b] x [the query heads of KV head h]: row r is query
 // q0 + r / group, head h * group + r % group. Q: the queries' and output's dtype, T: the pool's
-// (Q, or a 16-bit pool beside float32 queries). C: head_dim / 16 (a compile-time constant where
+// (Q, or a narrower pool: kv_dtype_pairs). C: head_dim / 16 (a compile-time constant where
 // common, else 0 and `chunks` says it).
 template <typename Q, typename T, int C>
 struct ExtendTask {
@@ -353,7 +353,7 @@ namespace tandem_cpu {
 
 // q [tokens, num_heads, head_dim] (the extend tokens of every request, request after request;
 // any strides but the last); k_cache/v_cache [slots, kv_heads, head_dim] (one layer of the
-// pool, q's dtype or bfloat16 / float16 beside float32 q, holding the new tokens' keys
+// pool, q's dtype or a narrower one: kv_dtype_pairs, holding the new tokens' keys
 // already); req_to_token [rows, max_context] int64; req_pool_indices, prefix_lens, extend_lens [bs] int64 (CPU): request b's tokens are
 // q's rows sum(extend_lens[:b]) .. + extend_lens[b], at positions prefix_lens[b] + i. `window`
 // > 0: a query at position p sees the keys at (p - window, p]; `softcap` > 0: scores are
@@ -366,7 +366,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "extend_attention: CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && kv_dtype_pairs(q.scalar_type(), k_cache.scalar_type()),
-              "extend_attention: k and v in q's dtype, or in bfloat16 / float16 beside float32 q");
+              "extend_attention: ", kKvDtypePairs);
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_cache.size(1) == v_cache.size(1) &&
                   k_cache.size(2) == q.size(2) && v_cache.size(2) == q.size(2),
               "extend_attention: the head dimension must be contiguous, K and V of q's head_dim");

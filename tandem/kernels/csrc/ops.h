@@ -94,6 +94,10 @@ struct Share {
 // bfloat16 / float16 pool beside float32 activations, or an fp8 pool (e5m2, e4m3fn) beside
 // float32 or bfloat16 ones (--kv-cache-dtype).
 inline bool is_fp8(at::ScalarType kv) { return kv == at::kFloat8_e5m2 || kv == at::kFloat8_e4m3fn; }
+// What the kernels' checks say where kv_dtype_pairs refuses a pair.
+constexpr const char* kKvDtypePairs =
+    "k and v in q's dtype, or bfloat16 / float16 beside float32 q, or fp8 (e5m2, e4m3fn) beside float32 "
+    "or bfloat16 q";
 inline bool kv_dtype_pairs(at::ScalarType act, at::ScalarType kv) {
   const bool known = act == at::kFloat || act == at::kBFloat16 || act == at::kHalf;
   return known && (kv == act || (act == at::kFloat && (kv == at::kBFloat16 || kv == at::kHalf)) ||

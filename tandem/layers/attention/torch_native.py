@@ -241,7 +241,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
         max_len = table.shape[1]
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a 16-bit pool widened
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a narrower pool widened
         v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).to(q.dtype)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
@@ -258,7 +258,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             kpos = torch.arange(max_len, device=valid.device).unsqueeze(0)
             valid = valid & (kpos >= fb.seq_lens.unsqueeze(1) - window)
         flat = table.reshape(-1)
-        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a 16-bit pool widened
+        k = torch.index_select(self.kv_pool.k_buffer[layer_id], 0, flat).to(q.dtype)  # a narrower pool widened
         v = torch.index_select(self.kv_pool.v_buffer[layer_id], 0, flat).to(q.dtype)
         k = k.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(bs, max_len, num_kv_heads, head_dim).transpose(1, 2)
@@ -327,7 +327,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         outs = []
         for group in plan.groups:
             size, n, kv_len = group.size, group.num_queries, group.num_keys
-            k = torch.index_select(k_cache, 0, group.slots).to(q.dtype)  # a 16-bit pool widened
+            k = torch.index_select(k_cache, 0, group.slots).to(q.dtype)  # a narrower pool widened
             v = torch.index_select(v_cache, 0, group.slots).to(q.dtype)
             k = k.view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(size, kv_len, num_kv_heads, head_dim).transpose(1, 2)
