@@ -178,22 +178,38 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
 
 
 # The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x)
-# and 64 (Q6_K); no compact scales
-@pytest.mark.parametrize("name,kind", [("Q8_0", 0), ("Q2_K", 1), ("Q3_K", 1), ("Q5_0", 2), ("Q5_K", 2), ("Q6_K", 3)])
-def test_avx2_narrow_tiles_give_the_same_outputs_from_fewer_bytes(name, kind):
-    """Against the layout's own tiles of the same weight (`narrow=False`): the header (int32 4)
-    says the kind, a narrow tile leaves out 8 - (4 + planes) bits a code, and the outputs are
-    bit-identical (the same integer sums, scaled in the same order) at 1, 5, 9 and 40 rows."""
+# and 64 (Q6_K); compact scales where float32 scales factor per 256 columns (the K-quants)
+@pytest.mark.parametrize(
+    "name,kind,compact",
+    [
+        *(("Q8_0", 0, 0), ("Q4_0", 0, 0), ("Q4_1", 0, 0), ("Q4_K", 0, 1), ("Q2_K", 1, 1), ("Q3_K", 1, 1)),
+        *(("Q5_0", 2, 0), ("Q5_K", 2, 1), ("Q6_K", 3, 1)),
+    ],
+)
+def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(name, kind, compact):
+    """Against the layout's own tiles of the same weight (`narrow=False`): the header (int32 4, 5)
+    says the kind and whether the scales are compact; a narrow tile leaves out 8 - (4 + planes)
+    bits a code, compact scales keep per group and row one int8 a scale (and offset) instead of a
+    float32, and per 256 columns and row one float32 each; the outputs are bit-identical (the
+    same integer sums, scaled by the same float32 values in the same order) at 1, 5, 9 and 40
+    rows."""
     isa = ops.quant_linear_isa()
     if isa.startswith(("avx512_vnni", "float,")):
         pytest.skip(f"this build's path is {isa}: these are the AVX2 build's tiles")
     cols = 768
     (packed, q, scale, mn), tiles, plain = narrow_and_plain_tiles(name, 70, cols)
-    assert int(tiles[:64].view(torch.int32)[4]) == kind and int(plain[:64].view(torch.int32)[4]) == 0
-    if kind == 0:
+    header, plain_header = tiles[:64].view(torch.int32), plain[:64].view(torch.int32)
+    assert (int(header[4]), int(header[5])) == (kind, compact)
+    assert int(plain_header[4]) == int(plain_header[5]) == 0
+    scale_bytes, offsets = scale.element_size(), int(header[0]) < 0
+    saved = 72 * cols * (8 - (3 + kind)) // 8 if kind else 0  # 9 tiles of 8 rows (72), cols codes each
+    if compact:  # per group and row: (3 or 7) bytes fewer a scale / offset; per 256 columns and row 4 more
+        assert scale_bytes == 4
+        per = (2 if offsets else 1) * 72
+        saved += per * (cols // packed.group) * 3 - per * (cols // 256) * 4
+    assert plain.numel() - tiles.numel() == saved
+    if kind == compact == 0:
         assert torch.equal(tiles, plain)
-    else:  # 9 tiles of 8 rows (72), cols codes each
-        assert (plain.numel() - tiles.numel()) * 8 == 72 * cols * (8 - (3 + kind))
     assert_same_outputs(packed, q, scale, mn, tiles, plain)
 
 

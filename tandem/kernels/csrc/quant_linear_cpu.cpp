@@ -275,6 +275,63 @@ inline int32_t narrow_kind(const at::Tensor& q, int64_t bits) {
   return top < 16 ? 1 : top < 32 ? 2 : top < 64 ? 3 : 0;
 }
 
+// Compact scales (both tiled paths: the AVX-512 VNNI path's packed tiles, the AVX2 path's tiles
+// of 8 rows) factor a row's float32 scales per super-block of kSuperCols columns.
+constexpr int64_t kSuperCols = 256;
+
+// One row's values of a super-block (v[0 .. n)) as d * k[j] exactly in float32, k int8: the
+// factor of the largest magnitude tried as it divided by 1 .. 128 (either sign; the true one is
+// among them where the values are a float16 times small integers, as the K-quants' are).
+inline bool factor_block(const float* v, int n, float& d, int8_t* k) {
+  int top = 0;
+  for (int j = 0; j < n; ++j) {
+    if (!std::isfinite(v[j])) return false;
+    if (std::fabs(v[j]) > std::fabs(v[top])) top = j;
+  }
+  if (v[top] == 0.f) {
+    d = 0.f;
+    std::fill(k, k + n, 0);
+    return true;
+  }
+  for (int div = 1; div <= 128; ++div)
+    for (int sign = 1; sign >= -1; sign -= 2) {
+      const float cand = v[top] / static_cast<float>(sign * div);
+      bool ok = true;
+      for (int j = 0; j < n && ok; ++j) {
+        const float r = std::nearbyint(v[j] / cand);
+        ok = r >= -128.f && r <= 127.f && cand * r == v[j] && !(v[j] == 0.f && std::signbit(v[j]) != std::signbit(cand * r));
+        if (ok) k[j] = static_cast<int8_t>(r);
+      }
+      if (ok) {
+        d = cand;
+        return true;
+      }
+    }
+  return false;
+}
+
+// A [N, G] float32 array (scales or offsets) factored per row and super-block (`factor_block`):
+// d[n * B + b], k[n * G + g]; false where some block does not factor.
+struct Factors {
+  std::vector<float> d;
+  std::vector<int8_t> k;
+};
+inline bool factor_rows(const float* v, int64_t N, int64_t G, int64_t per_block, Factors& f) {
+  const int64_t B = G / per_block;
+  f.d.assign(N * B, 0.f);
+  f.k.assign(N * G, 0);
+  std::atomic<bool> ok{G % per_block == 0};
+  if (!ok) return false;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1 && ok; ++n)
+      for (int64_t b = 0; b < B && ok; ++b)
+        if (!factor_block(v + n * G + b * per_block, static_cast<int>(per_block), f.d[n * B + b],
+                          f.k.data() + n * G + b * per_block))
+          ok = false;
+  });
+  return ok;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 // ----------------------------------------------------------------------------------------------
 // bfloat16 / float16 rows: int8 activations and VNNI integer dot products (llama.cpp's recipe).
@@ -736,7 +793,6 @@ inline int64_t plane_bytes(int bits, int group, int planes) {
 // them back, which gives the float32 values exactly (bit-identical results). The header says so
 // (int32 at byte 8). (All factors at the tile's head, copied out before its groups, read at 0.82x
 // the rate of tiles with float32 scales, one Zen 4 thread: 18.9 against 23.0 GB/s.)
-constexpr int64_t kSuperCols = 256;
 inline int64_t scale_region_bytes(int64_t scale_bytes, bool with_mn, bool compact) {
   return compact ? 64 : (with_mn ? 2 : 1) * round64(kTileRows * scale_bytes);
 }
@@ -1038,59 +1094,6 @@ void narrow_vectors(const __m512i* w8, uint8_t* out) {
         std::memcpy(planes + (v * kSubs + s) * 16 * PLANES + 16 * k, m, 16);
       }
     }
-}
-
-// One row's values of a super-block (v[0 .. n)) as d * k[j] exactly in float32, k int8: the
-// factor of the largest magnitude tried as it divided by 1 .. 128 (either sign; the true one is
-// among them where the values are a float16 times small integers, as the K-quants' are).
-inline bool factor_block(const float* v, int n, float& d, int8_t* k) {
-  int top = 0;
-  for (int j = 0; j < n; ++j) {
-    if (!std::isfinite(v[j])) return false;
-    if (std::fabs(v[j]) > std::fabs(v[top])) top = j;
-  }
-  if (v[top] == 0.f) {
-    d = 0.f;
-    std::fill(k, k + n, 0);
-    return true;
-  }
-  for (int div = 1; div <= 128; ++div)
-    for (int sign = 1; sign >= -1; sign -= 2) {
-      const float cand = v[top] / static_cast<float>(sign * div);
-      bool ok = true;
-      for (int j = 0; j < n && ok; ++j) {
-        const float r = std::nearbyint(v[j] / cand);
-        ok = r >= -128.f && r <= 127.f && cand * r == v[j] && !(v[j] == 0.f && std::signbit(v[j]) != std::signbit(cand * r));
-        if (ok) k[j] = static_cast<int8_t>(r);
-      }
-      if (ok) {
-        d = cand;
-        return true;
-      }
-    }
-  return false;
-}
-
-// A [N, G] float32 array (scales or offsets) factored per row and super-block (`factor_block`):
-// d[n * B + b], k[n * G + g]; false where some block does not factor.
-struct Factors {
-  std::vector<float> d;
-  std::vector<int8_t> k;
-};
-inline bool factor_rows(const float* v, int64_t N, int64_t G, int64_t per_block, Factors& f) {
-  const int64_t B = G / per_block;
-  f.d.assign(N * B, 0.f);
-  f.k.assign(N * G, 0);
-  std::atomic<bool> ok{G % per_block == 0};
-  if (!ok) return false;
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1 && ok; ++n)
-      for (int64_t b = 0; b < B && ok; ++b)
-        if (!factor_block(v + n * G + b * per_block, static_cast<int>(per_block), f.d[n * B + b],
-                          f.k.data() + n * G + b * per_block))
-          ok = false;
-  });
-  return ok;
 }
 
 // Every packed tile of W, one after another (tiles[t]: stored_tiles_bytes / tiles): its
@@ -1450,42 +1453,58 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 // A W whose every offset is -c * its scale for one integer c (symmetric_offset: Q4_0, Q8_0) keeps
 // no offsets; its groups' integer sums take c * sum(qx) off instead. The integer sums are those of
 // the row kernel: the results differ from it in the float summation order only.
-// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S), kind.
+// Compact scales (4-bit tiles, narrow ones included, whose float32 scales and offsets factor per
+// row and super-block of kSuperCols columns: the K-quants; `factor_rows`): before each
+// super-block's groups its 8 rows' factors (float32; then the offsets' where stored), and per
+// group 8 int8s instead of 8 floats (then the offsets'): 0.625-0.75 bits a weight instead of 2-4.
+// The kernel multiplies them back, which gives the float32 values exactly: the same outputs.
+// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S), kind, compact.
 constexpr int64_t kAvx2TileRows = 8;
-inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn, int32_t kind = 0) {
+inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn, int32_t kind = 0,
+                                bool compact = false) {
   const int64_t codes = kind > 0 ? group / 2 + group / 8 * (kind - 1) : bits == 4 ? group / 2 : group;
-  return codes * kAvx2TileRows + (with_mn ? 2 : 1) * kAvx2TileRows * scale_bytes;
+  return codes * kAvx2TileRows + (with_mn ? 2 : 1) * kAvx2TileRows * (compact ? 1 : scale_bytes);
 }
+// A compact tile's factors of one super-block (the scales', then the offsets' where stored).
+inline int64_t avx2_super_bytes(bool with_mn) { return (with_mn ? 2 : 1) * kAvx2TileRows * 4; }
 inline int64_t avx2_tiles_bytes(int64_t N, int64_t G, int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn,
-                                int32_t kind = 0) {
-  return 64 + (N + kAvx2TileRows - 1) / kAvx2TileRows * G * avx2_group_bytes(bits, group, scale_bytes, with_mn, kind);
+                                int32_t kind = 0, bool compact = false) {
+  const int64_t tile = G * avx2_group_bytes(bits, group, scale_bytes, with_mn, kind, compact) +
+                       (compact ? G * group / kSuperCols * avx2_super_bytes(with_mn) : 0);
+  return 64 + (N + kAvx2TileRows - 1) / kAvx2TileRows * tile;
 }
 
+// W's tiles; compact (S float32 only) where `fsc` (and `fmn`, where offsets are stored) are given.
 template <typename S>
 at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, int64_t K, int64_t bits, int64_t group,
-                            int32_t kind) {
+                            int32_t kind, int32_t c, const Factors* fsc, const Factors* fmn) {
   const int64_t N = q.size(0), G = K / group, row_bytes = q.size(1), group_q = bits == 4 ? group / 2 : group;
-  std::vector<float> ws(N * G), wmn(N * G);
-  for (int64_t i = 0; i < N * G; ++i) {
-    ws[i] = to_float(scale[i]);
-    wmn[i] = to_float(mn[i]);
-  }
-  const int32_t c = symmetric_offset(ws.data(), wmn.data(), N * G);
-  const bool with_mn = c < 0;
-  const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn, kind);
-  const int64_t code_bytes = group_bytes - (with_mn ? 2 : 1) * kAvx2TileRows * static_cast<int64_t>(sizeof(S));
+  const bool with_mn = c < 0, compact = fsc != nullptr;
+  const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn, kind, compact);
+  const int64_t code_bytes = group_bytes - (with_mn ? 2 : 1) * kAvx2TileRows * (compact ? 1 : sizeof(S));
+  const int64_t per_super = kSuperCols / group, B = G / per_super;
+  const int64_t super_bytes = compact ? avx2_super_bytes(with_mn) : 0;
+  const int64_t tile_bytes = G * group_bytes + B * super_bytes;
   const int planes = kind > 0 ? kind - 1 : 0, nibble_vectors = static_cast<int>(group / 8);
-  at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn, kind)}, q.options());
+  at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn, kind, compact)}, q.options());
   uint8_t* out = tiles.data_ptr<uint8_t>();
-  const int32_t header[5] = {c, static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S)),
-                             kind};
+  const int32_t header[6] = {c,    static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S)),
+                             kind, compact};
   std::memcpy(out, header, sizeof(header));
   const uint8_t* qp = q.data_ptr<uint8_t>();
   at::parallel_for(0, (N + kAvx2TileRows - 1) / kAvx2TileRows, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t g = 0; g < G; ++g) {
-        uint8_t* at = out + 64 + (t * G + g) * group_bytes;
+        uint8_t* at = out + 64 + t * tile_bytes + g * group_bytes + (compact ? (g / per_super + 1) * super_bytes : 0);
+        if (compact && g % per_super == 0)  // the super-block's factors, just before its first group
+          for (int a = 0; a < (with_mn ? 2 : 1); ++a) {
+            const Factors& f = a == 0 ? *fsc : *fmn;
+            float* d = reinterpret_cast<float*>(at - super_bytes) + a * kAvx2TileRows;
+            for (int64_t i = 0; i < kAvx2TileRows && kAvx2TileRows * t + i < N; ++i)
+              d[i] = f.d[(kAvx2TileRows * t + i) * B + g / per_super];
+          }
         S* s = reinterpret_cast<S*>(at + code_bytes);
+        int8_t* k = reinterpret_cast<int8_t*>(at + code_bytes);
         for (int64_t i = 0; i < kAvx2TileRows && kAvx2TileRows * t + i < N; ++i) {
           const int64_t n = kAvx2TileRows * t + i;
           const uint8_t* codes = qp + n * row_bytes + group_q * g;
@@ -1504,8 +1523,13 @@ at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, in
                 }
               }
           }
-          s[i] = scale[n * G + g];
-          if (with_mn) s[kAvx2TileRows + i] = mn[n * G + g];
+          if (compact) {
+            k[i] = fsc->k[n * G + g];
+            if (with_mn) k[kAvx2TileRows + i] = fmn->k[n * G + g];
+          } else {
+            s[i] = scale[n * G + g];
+            if (with_mn) s[kAvx2TileRows + i] = mn[n * G + g];
+          }
         }
       }
   });
@@ -1539,22 +1563,42 @@ inline void avx2_add_planes(const uint8_t* p, __m256i& lo, __m256i& hi) {
 // (one thread from memory at about half of either's rate alone).
 constexpr int64_t kAvx2Prefetch = 4096;
 
+// 8 int8s of a compact tile times their factors (float32, exact).
+inline __m256 avx2_factored(const uint8_t* k, __m256 d) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+}
+
 // Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i]. BITS: the
-// tile's vectors (4: nibbles, of a 4-bit W or a narrow tile of an 8-bit one with PLANES planes).
-template <int BITS, int GROUP, int PLANES, int NR, bool SYM, typename T, typename S>
+// tile's vectors (4: nibbles, of a 4-bit W or a narrow tile of an 8-bit one with PLANES planes);
+// COMPACT: its scales (and offsets) as factors and int8s (S float32).
+template <int BITS, int GROUP, int PLANES, int NR, bool SYM, bool COMPACT, typename T, typename S>
 void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c, const float* bias, T* y,
                      int64_t N, int64_t n, int rows) {
+  static_assert(!COMPACT || (BITS == 4 && std::is_same_v<S, float>), "compact scales are 4-bit tiles' float32 ones");
   const bool fetch = r0 == 0;  // later row blocks read the tile from L1 / L2
   constexpr int kV = (BITS == 4 ? GROUP / 2 : GROUP) * kAvx2TileRows / 32;  // vectors a group
   constexpr int64_t kCodeBytes = kV * 32 + kV * 8 * PLANES;
-  const int64_t G = X.G, group_bytes = kCodeBytes + (SYM ? 1 : 2) * kAvx2TileRows * sizeof(S);
+  constexpr int64_t kPerSuper = kSuperCols / GROUP;
+  const int64_t G = X.G, group_bytes = kCodeBytes + (SYM ? 1 : 2) * kAvx2TileRows * (COMPACT ? 1 : sizeof(S));
+  const int64_t super_bytes = COMPACT ? avx2_super_bytes(!SYM) : 0;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* at = tile + g * group_bytes;
+  __m256 dsc = _mm256_setzero_ps(), dmn = _mm256_setzero_ps();  // a compact tile's factors
+  const uint8_t* at = tile;
+  for (int64_t g = 0; g < G; ++g, at += group_bytes) {
+    int64_t fetch_bytes = group_bytes;
+    if constexpr (COMPACT) {
+      if (g % kPerSuper == 0) {  // the super-block's factors lie before its first group
+        dsc = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
+        if constexpr (!SYM) dmn = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + kAvx2TileRows);
+        at += super_bytes;
+        fetch_bytes += super_bytes;
+      }
+    }
     if (fetch)
-      for (int64_t off = 0; off < group_bytes; off += 64)
+      for (int64_t off = 0; off < fetch_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(at + kAvx2Prefetch + off), _MM_HINT_T0);
     __m256i sum[NR];
     if constexpr (BITS == 4) {
@@ -1593,7 +1637,12 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
       }
     }
     const S* ws = reinterpret_cast<const S*>(at + kCodeBytes);
-    const __m256 sc = avx2_load8(ws);
+    __m256 sc;
+    if constexpr (COMPACT) {
+      sc = avx2_factored(at + kCodeBytes, dsc);
+    } else {
+      sc = avx2_load8(ws);
+    }
     for (int r = 0; r < NR; ++r) {
       const int64_t row = r0 + r;
       if constexpr (SYM) sum[r] = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(c * X.isum[row * G + g]));
@@ -1601,7 +1650,12 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(sc, dx), acc[r]);
     }
     if constexpr (!SYM) {
-      const __m256 m = avx2_load8(ws + kAvx2TileRows);
+      __m256 m;
+      if constexpr (COMPACT) {
+        m = avx2_factored(at + kCodeBytes + kAvx2TileRows, dmn);
+      } else {
+        m = avx2_load8(ws + kAvx2TileRows);
+      }
       for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r]);
     }
   }
@@ -1617,30 +1671,40 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
 template <int BITS, int GROUP, int PLANES, typename T, typename S>
 void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float* bias, T* y, int64_t N, int64_t t0,
                     int64_t t1) {
-  int32_t header[5];
+  int32_t header[6];
   std::memcpy(header, tiles, sizeof(header));
   const int32_t c = header[0];
-  const int64_t bytes = X.G * avx2_group_bytes(header[1], GROUP, sizeof(S), c < 0, header[4]);
-  auto blocks = [&](auto symmetric) {
-    constexpr bool SYM = decltype(symmetric)::value;
+  const bool compact = header[5] == 1;
+  const int64_t bytes = avx2_tiles_bytes(kAvx2TileRows, X.G, header[1], GROUP, sizeof(S), c < 0, header[4], compact) - 64;
+  auto blocks = [&](auto symmetric, auto factored) {
+    constexpr bool SYM = decltype(symmetric)::value, COMPACT = decltype(factored)::value;
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tile = tiles + 64 + t * bytes;
       const int64_t n = kAvx2TileRows * t;
       const int rows = static_cast<int>(std::min<int64_t>(kAvx2TileRows, N - n));
       for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
         switch (std::min<int64_t>(kRowBlock, R - r0)) {
-          case 1: avx2_tile_block<BITS, GROUP, PLANES, 1, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 2: avx2_tile_block<BITS, GROUP, PLANES, 2, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 3: avx2_tile_block<BITS, GROUP, PLANES, 3, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          default: avx2_tile_block<BITS, GROUP, PLANES, 4, SYM, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 1: avx2_tile_block<BITS, GROUP, PLANES, 1, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 2: avx2_tile_block<BITS, GROUP, PLANES, 2, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 3: avx2_tile_block<BITS, GROUP, PLANES, 3, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          default: avx2_tile_block<BITS, GROUP, PLANES, 4, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
         }
       }
     }
   };
+  auto with_scales = [&](auto symmetric) {
+    if constexpr (BITS == 4 && std::is_same_v<S, float>) {
+      if (compact) {
+        blocks(symmetric, std::true_type{});
+        return;
+      }
+    }
+    blocks(symmetric, std::false_type{});
+  };
   if (c >= 0) {
-    blocks(std::true_type{});
+    with_scales(std::true_type{});
   } else {
-    blocks(std::false_type{});
+    with_scales(std::false_type{});
   }
 }
 
@@ -1829,7 +1893,7 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
 // transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
 // quant_linear's `tiles`: narrow tiles and compact scales where the weight allows them, unless
 // `narrow` is false (the layout's own tiles, for comparisons: the same outputs). On the AVX2
-// build its tiles of 8 rows (avx2_store_tiles: narrow ones too, no compact scales; none for the
+// build its tiles of 8 rows (avx2_store_tiles: narrow ones and compact scales too; none for the
 // grid layout, which that build widens first). Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group,
                        bool narrow) {
@@ -1891,9 +1955,18 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
 #elif defined(TANDEM_QUANT_AVX2)
   if (layout_bits("quant_tiles", code).second) return at::empty({0}, q.options());  // the grid is widened first
   const int32_t kind = narrow ? narrow_kind(q, bits) : 0;
+  const at::Tensor ws = scale.to(at::kFloat).contiguous(), wmn = mn.to(at::kFloat).contiguous();
+  const int64_t G = K / group;
+  const int32_t c = symmetric_offset(ws.data_ptr<float>(), wmn.data_ptr<float>(), N * G);
   if (scale.scalar_type() == at::kHalf)
-    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group, kind);
-  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group, kind);
+    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group, kind, c, nullptr,
+                            nullptr);
+  // float32 scales of a 4-bit tile (narrow ones too): compact where they factor
+  Factors fsc, fmn;
+  const bool compact = narrow && (bits == 4 || kind > 0) && factor_rows(ws.data_ptr<float>(), N, G, kSuperCols / group, fsc) &&
+                       (c >= 0 || factor_rows(wmn.data_ptr<float>(), N, G, kSuperCols / group, fmn));
+  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group, kind, c,
+                          compact ? &fsc : nullptr, compact ? &fmn : nullptr);
 #else
   return at::empty({0}, q.options());
 #endif
@@ -1949,15 +2022,17 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #elif defined(TANDEM_QUANT_AVX2)
-    int32_t header[5] = {0, 0, 0, 0, 0};
+    int32_t header[6] = {0, 0, 0, 0, 0, 0};
     const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
                           tiles->numel() >= 64;
     if (bytes_ok) std::memcpy(header, tiles->data_ptr<uint8_t>(), sizeof(header));
     tiles_kind = header[4];
+    const bool factored = header[5] == 1;
     TORCH_CHECK(bytes_ok && !grid && header[1] == bits && header[2] == group && header[3] == scale.element_size() &&
                     (tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3)) &&
+                    (header[5] == 0 || (factored && scale.element_size() == 4 && (bits == 4 || tiles_kind > 0))) &&
                     tiles->numel() == avx2_tiles_bytes(N, K / group, bits, group, scale.element_size(), header[0] < 0,
-                                                       tiles_kind),
+                                                       tiles_kind, factored),
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #else

@@ -22,7 +22,7 @@ AVX-512 VNNI build, the stored tiles of an 8-bit weight whose codes lie below 16
 Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles"),
 and float32 scales that factor per 256 columns into a float32 and int8s (the K-quants', IQ4_XS's)
 take 0.75 bits a weight instead of 2 ("compact scales"); both exact. The AVX2 build stores tiles of
-8 rows (narrow ones too, no compact scales).
+8 rows (narrow ones and compact scales too).
 Where a part has no layout (F16, BF16, F32, a type without one), a tensor-parallel column
 slice does not fall on group boundaries, the rows do not cover the whole weight, the weight
 is not on the CPU or the C++ kernels are unavailable, the layer keeps only the dense kernel.
