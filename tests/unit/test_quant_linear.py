@@ -48,7 +48,7 @@ from tandem.layers.quantization.gguf_linear import (
     QUANT_MAX_ROWS_INT8,
     narrowest_scales,
 )
-from tandem.layers.quantization.gguf_repack import repack
+from tandem.layers.quantization.gguf_repack import repack, widen
 from tandem.layers.vocab_embedding import VocabParallelEmbedding
 from tandem.model_executor.gguf_loader import GGUFWeight
 
@@ -130,10 +130,13 @@ def test_stored_tiles_give_the_same_outputs(name):
             )
 
 
-def narrow_and_plain_tiles(name: str, rows: int, cols: int):
-    """A weight of type `name` (its narrowest scales) and its stored tiles with and without
-    narrow tiles and compact scales (`quant_tiles(..., narrow=False)`)."""
+def narrow_and_plain_tiles(name: str, rows: int, cols: int, group: int | None = None):
+    """A weight of type `name` (its narrowest scales; widened to 8-bit groups of `group` where
+    given) and its stored tiles with and without narrow tiles and compact scales
+    (`quant_tiles(..., narrow=False)`)."""
     packed = repack(blocks(name, rows, cols), QT[name], (rows, cols))
+    if group is not None:
+        packed = widen(packed, group)
     q = torch.from_numpy(packed.q)
     scale, mn = (torch.from_numpy(a) for a in narrowest_scales(packed.scale, packed.mn))
     tiles = ops.quant_tiles(q, scale, mn, packed.code, packed.group)
@@ -177,16 +180,18 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
     assert_same_outputs(packed, q, scale, mn, tiles, plain)
 
 
-# The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x)
-# and 64 (Q6_K); compact scales where float32 scales factor per 256 columns (the K-quants)
+# The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x;
+# in groups of 16, as a part widened to share a matrix with Q6_K rows, stored as below 64) and 64
+# (Q6_K); compact scales where float32 scales factor per 256 columns (the K-quants)
 @pytest.mark.parametrize(
-    "name,kind,compact",
+    "name,group,kind,compact",
     [
-        *(("Q8_0", 0, 0), ("Q4_0", 0, 0), ("Q4_1", 0, 0), ("Q4_K", 0, 1), ("Q2_K", 1, 1), ("Q3_K", 1, 1)),
-        *(("Q5_0", 2, 0), ("Q5_K", 2, 1), ("Q6_K", 3, 1)),
+        *(("Q8_0", None, 0, 0), ("Q4_0", None, 0, 0), ("Q4_1", None, 0, 0), ("Q4_K", None, 0, 1)),
+        *(("Q2_K", None, 1, 1), ("Q3_K", None, 1, 1), ("Q5_0", None, 2, 0), ("Q5_K", None, 2, 1)),
+        *(("Q5_0", 16, 3, 0), ("Q6_K", None, 3, 1), ("Q4_K", 16, 1, 1)),
     ],
 )
-def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(name, kind, compact):
+def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(name, group, kind, compact):
     """Against the layout's own tiles of the same weight (`narrow=False`): the header (int32 4, 5)
     says the kind and whether the scales are compact; a narrow tile leaves out 8 - (4 + planes)
     bits a code, compact scales keep per group and row one int8 a scale (and offset) instead of a
@@ -197,7 +202,7 @@ def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_b
     if isa.startswith(("avx512_vnni", "float,")):
         pytest.skip(f"this build's path is {isa}: these are the AVX2 build's tiles")
     cols = 768
-    (packed, q, scale, mn), tiles, plain = narrow_and_plain_tiles(name, 70, cols)
+    (packed, q, scale, mn), tiles, plain = narrow_and_plain_tiles(name, 70, cols, group)
     header, plain_header = tiles[:64].view(torch.int32), plain[:64].view(torch.int32)
     assert (int(header[4]), int(header[5])) == (kind, compact)
     assert int(plain_header[4]) == int(plain_header[5]) == 0

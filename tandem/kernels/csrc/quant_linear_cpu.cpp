@@ -1447,9 +1447,12 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 // - narrow (kind 1 + PLANES, an 8-bit W whose codes lie below 16, 32 or 64: Q2_K, Q3_K; Q5_x;
 //   Q6_K, as the AVX-512 VNNI path's narrow tiles): the 8-bit vectors v and v + GROUP / 8 as the
 //   low and high nibbles of one vector (x's columns 4v .. and GROUP / 2 + 4v .., as the 4-bit
-//   layout's), then per vector and plane k a 32-bit mask of the low nibbles' bit 4 + k and one of
-//   the high nibbles', expanded to bytes and added back; codes < 64 sum in int16 by pairs of
-//   VPMADDUBSW (2 * 2 * 63 * 127 = 32004). 4 + PLANES bits a weight instead of 8.
+//   layout's), then the codes' higher bits in vectors of their own (ggml's Q6_K qh, in byte
+//   order): nibble vector v's byte j, low nibbles (h = 0) then high (h = 1), keeps its PLANES
+//   higher bits in bits [b, b + PLANES) of byte j of plane vector u / 8, b = u % 8, u = (2v + h) *
+//   PLANES; one shift, one AND and one OR put them back (avx2_add_planes). Group 16 with one
+//   plane (codes below 32: 4 slots, half a vector) is stored with two (kind 3). Codes < 64 sum in
+//   int16 by pairs of VPMADDUBSW (2 * 2 * 63 * 127 = 32004). 4 + PLANES bits a weight instead of 8.
 // A W whose every offset is -c * its scale for one integer c (symmetric_offset: Q4_0, Q8_0) keeps
 // no offsets; its groups' integer sums take c * sum(qx) off instead. The integer sums are those of
 // the row kernel: the results differ from it in the float summation order only.
@@ -1516,10 +1519,10 @@ at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, in
                 const int j = 4 * static_cast<int>(i) + b;  // the byte's bit in the masks
                 const uint8_t low = codes[4 * v + b], high = codes[4 * (v + nibble_vectors) + b];
                 at[32 * v + j] = static_cast<uint8_t>((low & 15) | (high & 15) << 4);
-                uint8_t* masks = at + 32 * nibble_vectors + 8 * planes * v;
-                for (int k = 0; k < planes; ++k) {
-                  masks[8 * k + j / 8] |= static_cast<uint8_t>(((low >> (4 + k)) & 1) << (j % 8));
-                  masks[8 * k + 4 + j / 8] |= static_cast<uint8_t>(((high >> (4 + k)) & 1) << (j % 8));
+                uint8_t* plane_vectors = at + 32 * nibble_vectors;
+                for (int h = 0; h < 2; ++h) {
+                  const int u = (2 * v + h) * planes;
+                  plane_vectors[32 * (u / 8) + j] |= static_cast<uint8_t>(((h == 0 ? low : high) >> 4) << (u % 8));
                 }
               }
           }
@@ -1542,19 +1545,32 @@ inline __m256i avx2_bcast4(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// A narrow tile's bit planes of one vector (at p: per plane the low nibbles' 32-bit mask, then
-// the high nibbles') added to its nibbles lo and hi: bit 4 + k set in byte j where bit j is.
-template <int PLANES>
+// f(std::integral_constant<int, i>) for i = 0 .. COUNT - 1 in order.
+template <int COUNT, typename F, int... I>
+__attribute__((always_inline)) inline void avx2_for(const F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int COUNT, typename F>
+__attribute__((always_inline)) inline void avx2_for(const F& f) {
+  avx2_for<COUNT>(f, std::make_integer_sequence<int, COUNT>{});
+}
+
+// Bits [B, B + PLANES) of each byte of a plane vector moved to bits [4, 4 + PLANES), the rest 0.
+template <int B, int PLANES>
+inline __m256i avx2_high_bits(__m256i planes) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << PLANES) - 1) << 4));
+  if constexpr (B < 4) return _mm256_and_si256(_mm256_slli_epi16(planes, 4 - B), mask);
+  if constexpr (B > 4) return _mm256_and_si256(_mm256_srli_epi16(planes, B - 4), mask);
+  return _mm256_and_si256(planes, mask);
+}
+// A narrow tile's higher bits of nibble vector V (its plane vectors at p, above) put back into
+// its nibbles lo and hi.
+template <int PLANES, int V>
 inline void avx2_add_planes(const uint8_t* p, __m256i& lo, __m256i& hi) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                                          3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  for (int k = 0; k < PLANES; ++k) {
-    const __m256i value = _mm256_set1_epi8(static_cast<char>(0x10 << k));
-    const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(avx2_bcast4(p + 8 * k), spread), bit);
-    const __m256i h = _mm256_and_si256(_mm256_shuffle_epi8(avx2_bcast4(p + 8 * k + 4), spread), bit);
-    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(l, bit), value));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(h, bit), value));
+  if constexpr (PLANES > 0) {
+    constexpr int kLo = 2 * V * PLANES, kHi = (2 * V + 1) * PLANES;
+    lo = _mm256_or_si256(lo, avx2_high_bits<kLo % 8, PLANES>(avx2_load(p + 32 * (kLo / 8))));
+    hi = _mm256_or_si256(hi, avx2_high_bits<kHi % 8, PLANES>(avx2_load(p + 32 * (kHi / 8))));
   }
 }
 
@@ -1607,11 +1623,11 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
       constexpr bool kInt16 = PLANES == 0;
       __m256i s16[NR];
       for (int r = 0; r < NR; ++r) s16[r] = sum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int v = 0; v < kV; ++v) {
+      avx2_for<kV>([&](auto vector) {
+        constexpr int v = decltype(vector)::value;
         const __m256i w = avx2_load(at + 32 * v);
         __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-        avx2_add_planes<PLANES>(at + kV * 32 + 8 * PLANES * v, lo, hi);
+        avx2_add_planes<PLANES, v>(at + kV * 32, lo, hi);
         for (int r = 0; r < NR; ++r) {
           const int8_t* xr = X.qx.data() + (r0 + r) * X.stride + GROUP * g + 4 * v;
           const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, avx2_bcast4(xr)),
@@ -1622,7 +1638,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
             sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pair, ones));
           }
         }
-      }
+      });
       if constexpr (kInt16)
         for (int r = 0; r < NR; ++r) sum[r] = _mm256_madd_epi16(s16[r], ones);
     } else {
@@ -1954,7 +1970,8 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   return tiles;
 #elif defined(TANDEM_QUANT_AVX2)
   if (layout_bits("quant_tiles", code).second) return at::empty({0}, q.options());  // the grid is widened first
-  const int32_t kind = narrow ? narrow_kind(q, bits) : 0;
+  int32_t kind = narrow ? narrow_kind(q, bits) : 0;
+  if (group == 16 && kind == 2) kind = 3;  // one plane of group 16 is half a plane vector: stored as two
   const at::Tensor ws = scale.to(at::kFloat).contiguous(), wmn = mn.to(at::kFloat).contiguous();
   const int64_t G = K / group;
   const int32_t c = symmetric_offset(ws.data_ptr<float>(), wmn.data_ptr<float>(), N * G);
