@@ -182,13 +182,14 @@ def test_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(
 
 # The AVX2 build's tiles of 8 rows: narrow ones for 8-bit codes below 16 (Q2_K, Q3_K), 32 (Q5_x;
 # in groups of 16, as a part widened to share a matrix with Q6_K rows, stored as below 64) and 64
-# (Q6_K); compact scales where float32 scales factor per 256 columns (the K-quants)
+# (Q6_K); compact scales where float32 scales factor per 256 columns (the K-quants); grid codes
+# (IQ4_NL, IQ4_XS) as 4-bit tiles
 @pytest.mark.parametrize(
     "name,group,kind,compact",
     [
         *(("Q8_0", None, 0, 0), ("Q4_0", None, 0, 0), ("Q4_1", None, 0, 0), ("Q4_K", None, 0, 1)),
         *(("Q2_K", None, 1, 1), ("Q3_K", None, 1, 1), ("Q5_0", None, 2, 0), ("Q5_K", None, 2, 1)),
-        *(("Q5_0", 16, 3, 0), ("Q6_K", None, 3, 1), ("Q4_K", 16, 1, 1)),
+        *(("Q5_0", 16, 3, 0), ("Q6_K", None, 3, 1), ("Q4_K", 16, 1, 1), ("IQ4_NL", None, 0, 0), ("IQ4_XS", None, 0, 1)),
     ],
 )
 def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_bytes(name, group, kind, compact):
@@ -206,6 +207,7 @@ def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_b
     header, plain_header = tiles[:64].view(torch.int32), plain[:64].view(torch.int32)
     assert (int(header[4]), int(header[5])) == (kind, compact)
     assert int(plain_header[4]) == int(plain_header[5]) == 0
+    assert int(header[6]) == int(plain_header[6]) == int(packed.grid)  # grid codes: looked up in the tiles
     scale_bytes, offsets = scale.element_size(), int(header[0]) < 0
     saved = 72 * cols * (8 - (3 + kind)) // 8 if kind else 0  # 9 tiles of 8 rows (72), cols codes each
     if compact:  # per group and row: (3 or 7) bytes fewer a scale / offset; per 256 columns and row 4 more

@@ -10,8 +10,8 @@
 //   bits 4 | kGrid (group 32): the 4-bit layout whose codes index IQ4_NL's grid of values
 //                      (kGridValues: ggml's int8 grid plus 128), q[n, k] the grid value of the
 //                      code: IQ4_NL / IQ4_XS at the 4-bit layout's bytes. The AVX-512 VNNI and
-//                      float paths take it; the AVX2 path refuses it (the caller widens it to
-//                      bits 8: gguf_repack.widen).
+//                      float paths take it; the AVX2 path in its stored tiles only (without
+//                      them the caller widens it to bits 8: gguf_repack.widen).
 // The paths, chosen when the library is built for the machine it runs on (-march=native; the
 // cached build's name hashes the CPU's flags, so another CPU gets its own build):
 // - float32 rows (unless the caller asks for int8 activations: `int8_x`) and every row where the
@@ -1461,7 +1461,12 @@ void avx2_rows(const Avx2X& X, int64_t R, const uint8_t* q, const S* scale, cons
 // super-block's groups its 8 rows' factors (float32; then the offsets' where stored), and per
 // group 8 int8s instead of 8 floats (then the offsets'): 0.625-0.75 bits a weight instead of 2-4.
 // The kernel multiplies them back, which gives the float32 values exactly: the same outputs.
-// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S), kind, compact.
+// - grid (IQ4_NL / IQ4_XS: the 4-bit layout's codes into the grid, kept as nibbles): each nibble
+//   looked up by VPSHUFB as its signed grid value (kGridValues - 128), then multiplied by the sign
+//   trick and widened to int32 as the 8-bit tiles are (128 * sum(qx) added back: the unsigned
+//   values' sums). 4.5 bits a weight instead of the widened 8-bit layout's 8.5. The row kernel
+//   takes no grid: a grid weight without stored tiles is widened (`takes_grid`).
+// Header (64 bytes): int32 c (or -1: offsets stored), bits, group, sizeof(S), kind, compact, grid.
 constexpr int64_t kAvx2TileRows = 8;
 inline int64_t avx2_group_bytes(int64_t bits, int64_t group, int64_t scale_bytes, bool with_mn, int32_t kind = 0,
                                 bool compact = false) {
@@ -1480,7 +1485,7 @@ inline int64_t avx2_tiles_bytes(int64_t N, int64_t G, int64_t bits, int64_t grou
 // W's tiles; compact (S float32 only) where `fsc` (and `fmn`, where offsets are stored) are given.
 template <typename S>
 at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, int64_t K, int64_t bits, int64_t group,
-                            int32_t kind, int32_t c, const Factors* fsc, const Factors* fmn) {
+                            int32_t kind, int32_t grid, int32_t c, const Factors* fsc, const Factors* fmn) {
   const int64_t N = q.size(0), G = K / group, row_bytes = q.size(1), group_q = bits == 4 ? group / 2 : group;
   const bool with_mn = c < 0, compact = fsc != nullptr;
   const int64_t group_bytes = avx2_group_bytes(bits, group, sizeof(S), with_mn, kind, compact);
@@ -1491,8 +1496,8 @@ at::Tensor avx2_store_tiles(const at::Tensor& q, const S* scale, const S* mn, in
   const int planes = kind > 0 ? kind - 1 : 0, nibble_vectors = static_cast<int>(group / 8);
   at::Tensor tiles = at::zeros({avx2_tiles_bytes(N, G, bits, group, sizeof(S), with_mn, kind, compact)}, q.options());
   uint8_t* out = tiles.data_ptr<uint8_t>();
-  const int32_t header[6] = {c,    static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S)),
-                             kind, compact};
+  const int32_t header[7] = {c,    static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(sizeof(S)),
+                             kind, compact, grid};
   std::memcpy(out, header, sizeof(header));
   const uint8_t* qp = q.data_ptr<uint8_t>();
   at::parallel_for(0, (N + kAvx2TileRows - 1) / kAvx2TileRows, 16, [&](int64_t t0, int64_t t1) {
@@ -1588,10 +1593,14 @@ inline __m256 avx2_factored(const uint8_t* k, __m256 d) {
 // Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i]. BITS: the
 // tile's vectors (4: nibbles, of a 4-bit W or a narrow tile of an 8-bit one with PLANES planes);
 // COMPACT: its scales (and offsets) as factors and int8s (S float32).
-template <int BITS, int GROUP, int PLANES, int NR, bool SYM, bool COMPACT, typename T, typename S>
+template <int BITS, int GROUP, int PLANES, int NR, bool SYM, bool COMPACT, bool GRID, typename T, typename S>
 void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c, const float* bias, T* y,
                      int64_t N, int64_t n, int rows) {
   static_assert(!COMPACT || (BITS == 4 && std::is_same_v<S, float>), "compact scales are 4-bit tiles' float32 ones");
+  static_assert(!GRID || (BITS == 4 && PLANES == 0), "grid codes are a 4-bit tile's");
+  // the grid's signed values (ggml's kvalues_iq4nl), in both 128-bit lanes for VPSHUFB
+  const __m256i grid = _mm256_xor_si256(
+      _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kGridValues))), _mm256_set1_epi8(static_cast<char>(0x80)));
   const bool fetch = r0 == 0;  // later row blocks read the tile from L1 / L2
   constexpr int kV = (BITS == 4 ? GROUP / 2 : GROUP) * kAvx2TileRows / 32;  // vectors a group
   constexpr int64_t kCodeBytes = kV * 32 + kV * 8 * PLANES;
@@ -1617,7 +1626,24 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
       for (int64_t off = 0; off < fetch_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(at + kAvx2Prefetch + off), _MM_HINT_T0);
     __m256i sum[NR];
-    if constexpr (BITS == 4) {
+    if constexpr (GRID) {
+      // signed grid values (|v| <= 127) by the sign trick, each VPMADDUBSW's pairs widened
+      for (int r = 0; r < NR; ++r) sum[r] = _mm256_set1_epi32(128 * X.isum[(r0 + r) * G + g]);
+      avx2_for<kV>([&](auto vector) {
+        constexpr int v = decltype(vector)::value;
+        const __m256i w = avx2_load(at + 32 * v);
+        const __m256i lo = _mm256_shuffle_epi8(grid, _mm256_and_si256(w, low4));
+        const __m256i hi = _mm256_shuffle_epi8(grid, _mm256_and_si256(_mm256_srli_epi16(w, 4), low4));
+        const __m256i lo_abs = _mm256_abs_epi8(lo), hi_abs = _mm256_abs_epi8(hi);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xr = X.qx.data() + (r0 + r) * X.stride + GROUP * g + 4 * v;
+          const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(avx2_bcast4(xr), lo)), ones);
+          const __m256i h =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(avx2_bcast4(xr + GROUP / 2), hi)), ones);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(l, h));
+        }
+      });
+    } else if constexpr (BITS == 4) {
       // codes <= 15: the group's products summed in int16 (2 * kV <= 8 VPMADDUBSW of pairs <=
       // 3810); with planes (codes <= 63), each vector's pair of them, then widened
       constexpr bool kInt16 = PLANES == 0;
@@ -1684,7 +1710,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
 
 // Every row of x times tiles [t0, t1) of W's stored tiles (`tiles`: their header), each tile by
 // every block of up to kRowBlock rows (from L1 after the first).
-template <int BITS, int GROUP, int PLANES, typename T, typename S>
+template <int BITS, int GROUP, int PLANES, bool GRID, typename T, typename S>
 void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float* bias, T* y, int64_t N, int64_t t0,
                     int64_t t1) {
   int32_t header[6];
@@ -1700,10 +1726,10 @@ void avx2_tile_rows(const RowsX& X, int64_t R, const uint8_t* tiles, const float
       const int rows = static_cast<int>(std::min<int64_t>(kAvx2TileRows, N - n));
       for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
         switch (std::min<int64_t>(kRowBlock, R - r0)) {
-          case 1: avx2_tile_block<BITS, GROUP, PLANES, 1, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 2: avx2_tile_block<BITS, GROUP, PLANES, 2, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          case 3: avx2_tile_block<BITS, GROUP, PLANES, 3, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
-          default: avx2_tile_block<BITS, GROUP, PLANES, 4, SYM, COMPACT, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 1: avx2_tile_block<BITS, GROUP, PLANES, 1, SYM, COMPACT, GRID, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 2: avx2_tile_block<BITS, GROUP, PLANES, 2, SYM, COMPACT, GRID, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          case 3: avx2_tile_block<BITS, GROUP, PLANES, 3, SYM, COMPACT, GRID, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
+          default: avx2_tile_block<BITS, GROUP, PLANES, 4, SYM, COMPACT, GRID, T, S>(X, r0, tile, c, bias, y, N, n, rows); break;
         }
       }
     }
@@ -1829,23 +1855,24 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   }
 #elif defined(TANDEM_QUANT_AVX2)
   if (!std::is_same_v<T, float> || int8_x) {
-    TORCH_CHECK(!grid, "quant_linear: the AVX2 build takes no grid layout (widen it to bits 8)");
     if (tiles) {
       const RowsX X = quantize_rows(xp, x.stride(0), R, K, group);
       const int64_t count = (N + kAvx2TileRows - 1) / kAvx2TileRows;
       share.run(count, std::max<int64_t>(1, grain / kAvx2TileRows), [&](int64_t t0, int64_t t1) {
-        by_layout(bits, group, false, [&](auto b, auto g, auto) {
+        by_layout(bits, group, grid, [&](auto b, auto g, auto c) {
           constexpr int kBits = decltype(b)::value, kGroup = decltype(g)::value;
+          constexpr bool kGridded = decltype(c)::value;
           switch (kBits == 8 ? tiles_kind : 0) {  // a narrow tile of an 8-bit W: nibbles and planes
-            case 1: avx2_tile_rows<4, kGroup, 0, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
-            case 2: avx2_tile_rows<4, kGroup, 1, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
-            case 3: avx2_tile_rows<4, kGroup, 2, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
-            default: avx2_tile_rows<kBits, kGroup, 0, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            case 1: avx2_tile_rows<4, kGroup, 0, false, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            case 2: avx2_tile_rows<4, kGroup, 1, false, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            case 3: avx2_tile_rows<4, kGroup, 2, false, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
+            default: avx2_tile_rows<kBits, kGroup, 0, kGridded, T, S>(X, R, tiles, bias, yp, N, t0, t1); break;
           }
         });
       }, steal_unit(count, q.numel(), 4));
       return;
     }
+    TORCH_CHECK(!grid, "quant_linear: the AVX2 build takes the grid layout with its stored tiles only (quant_tiles; or widen it to bits 8)");
     const Avx2X X = avx2_quantize_x(xp, x.stride(0), R, K, bits, group);
     share.run(N, grain, [&](int64_t n0, int64_t n1) {
       by_layout(bits, group, false, [&](auto b, auto g, auto) {
@@ -1909,8 +1936,8 @@ void check_weight(const char* op, int64_t K, const at::Tensor& q, const at::Tens
 // transposes per call, without the transposition), one uint8 tensor [stored_tiles_bytes] for
 // quant_linear's `tiles`: narrow tiles and compact scales where the weight allows them, unless
 // `narrow` is false (the layout's own tiles, for comparisons: the same outputs). On the AVX2
-// build its tiles of 8 rows (avx2_store_tiles: narrow ones and compact scales too; none for the
-// grid layout, which that build widens first). Elsewhere an empty tensor.
+// build its tiles of 8 rows (avx2_store_tiles: narrow ones, compact scales and grid codes too).
+// Elsewhere an empty tensor.
 at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& mn, int64_t code, int64_t group,
                        bool narrow) {
   TORCH_CHECK(q.dim() == 2, "quant_tiles: q must be [out, in bytes]");
@@ -1969,20 +1996,20 @@ at::Tensor quant_tiles(const at::Tensor& q, const at::Tensor& scale, const at::T
   }
   return tiles;
 #elif defined(TANDEM_QUANT_AVX2)
-  if (layout_bits("quant_tiles", code).second) return at::empty({0}, q.options());  // the grid is widened first
+  const int32_t grid = layout_bits("quant_tiles", code).second ? 1 : 0;  // grid codes: 4-bit tiles, looked up
   int32_t kind = narrow ? narrow_kind(q, bits) : 0;
   if (group == 16 && kind == 2) kind = 3;  // one plane of group 16 is half a plane vector: stored as two
   const at::Tensor ws = scale.to(at::kFloat).contiguous(), wmn = mn.to(at::kFloat).contiguous();
   const int64_t G = K / group;
   const int32_t c = symmetric_offset(ws.data_ptr<float>(), wmn.data_ptr<float>(), N * G);
   if (scale.scalar_type() == at::kHalf)
-    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group, kind, c, nullptr,
-                            nullptr);
+    return avx2_store_tiles(q, scale.data_ptr<c10::Half>(), mn.data_ptr<c10::Half>(), K, bits, group, kind, grid, c,
+                            nullptr, nullptr);
   // float32 scales of a 4-bit tile (narrow ones too): compact where they factor
   Factors fsc, fmn;
   const bool compact = narrow && (bits == 4 || kind > 0) && factor_rows(ws.data_ptr<float>(), N, G, kSuperCols / group, fsc) &&
                        (c >= 0 || factor_rows(wmn.data_ptr<float>(), N, G, kSuperCols / group, fmn));
-  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group, kind, c,
+  return avx2_store_tiles(q, scale.data_ptr<float>(), mn.data_ptr<float>(), K, bits, group, kind, grid, c,
                           compact ? &fsc : nullptr, compact ? &fmn : nullptr);
 #else
   return at::empty({0}, q.options());
@@ -2039,13 +2066,13 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                 "quant_linear: tiles must be quant_tiles of this weight (contiguous, 64-byte aligned)");
     tiles_p = tiles->data_ptr<uint8_t>();
 #elif defined(TANDEM_QUANT_AVX2)
-    int32_t header[6] = {0, 0, 0, 0, 0, 0};
+    int32_t header[7] = {0, 0, 0, 0, 0, 0, 0};
     const bool bytes_ok = tiles->scalar_type() == at::kByte && tiles->is_contiguous() && tiles->dim() == 1 &&
                           tiles->numel() >= 64;
     if (bytes_ok) std::memcpy(header, tiles->data_ptr<uint8_t>(), sizeof(header));
     tiles_kind = header[4];
     const bool factored = header[5] == 1;
-    TORCH_CHECK(bytes_ok && !grid && header[1] == bits && header[2] == group && header[3] == scale.element_size() &&
+    TORCH_CHECK(bytes_ok && header[6] == (grid ? 1 : 0) && header[1] == bits && header[2] == group && header[3] == scale.element_size() &&
                     (tiles_kind == 0 || (bits == 8 && tiles_kind >= 1 && tiles_kind <= 3)) &&
                     (header[5] == 0 || (factored && scale.element_size() == 4 && (bits == 4 || tiles_kind > 0))) &&
                     tiles->numel() == avx2_tiles_bytes(N, K / group, bits, group, scale.element_size(), header[0] < 0,

@@ -17,12 +17,13 @@ recipe: bfloat16 rows always, float32 rows unless the model asked for exact floa
 
 Parts of different layouts (a Q4_K_M file's Q4_K query and Q6_K value rows, an IQ4_XS file's
 grid-coded rows and Q5_K ones) are widened to the 8-bit layout to share one matrix; so is the
-grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's (`takes_grid`). On the
+grid layout (IQ4_NL / IQ4_XS) on a build whose int8 path is AVX2's where no tiles are stored
+(`takes_grid`). On the
 AVX-512 VNNI build, the stored tiles of an 8-bit weight whose codes lie below 16, 32 or 64 (Q2_K,
 Q3_K, Q5_x, Q6_K, 4-bit parts widened with those) hold 4, 5 or 6 bits a code ("narrow tiles"),
 and float32 scales that factor per 256 columns into a float32 and int8s (the K-quants', IQ4_XS's)
 take 0.75 bits a weight instead of 2 ("compact scales"); both exact. The AVX2 build stores tiles of
-8 rows (narrow ones and compact scales too).
+8 rows (narrow ones, compact scales and grid codes too).
 Where a part has no layout (F16, BF16, F32, a type without one), a tensor-parallel column
 slice does not fall on group boundaries, the rows do not cover the whole weight, the weight
 is not on the CPU or the C++ kernels are unavailable, the layer keeps only the dense kernel.
@@ -139,11 +140,12 @@ def quantize_dense(weight: torch.Tensor, method: str) -> Packed | None:
     return repack(blocks, qtype, tuple(dense.shape))
 
 
-def takes_grid(isa: str) -> bool:
+def takes_grid(isa: str, tiled: bool) -> bool:
     """Whether the kernel build whose paths are `isa` (`quant_linear_isa()`) takes the grid
-    layout (IQ4_NL / IQ4_XS's 4-bit codes): its AVX-512 VNNI and float paths do; the AVX2 path
-    does not, and gets those weights widened to bits 8 (the same values, twice the bytes)."""
-    return not isa.startswith(("avx_vnni", "avx2"))
+    layout (IQ4_NL / IQ4_XS's 4-bit codes), given stored tiles (`tiled`) or not: its AVX-512
+    VNNI and float paths do; the AVX2 path in its stored tiles only, and without them gets those
+    weights widened to bits 8 (the same values, twice the bytes)."""
+    return tiled or not isa.startswith(("avx_vnni", "avx2"))
 
 
 def narrowest_scales(scale: np.ndarray, mn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +185,7 @@ class QuantLinearKernel:
     multiplied exactly (dequantize-then-matmul up to the summation order)."""
 
     def __init__(self, packed: Packed, bias: torch.Tensor | None, ops, int8_x: bool, max_rows: int):
-        if packed.grid and not takes_grid(ops.quant_linear_isa()):
+        if packed.grid and not takes_grid(ops.quant_linear_isa(), tiled=max_rows > QUANT_MAX_ROWS):
             packed = widen(packed, packed.group)
         # bits: the kernels' layout code (`Packed.code`: bits, or bits | GRID)
         self.bits, self.group, self.ops, self.int8_x = packed.code, packed.group, ops, int8_x
