@@ -1584,10 +1584,11 @@ inline void avx2_add_planes(const uint8_t* p, __m256i& lo, __m256i& hi) {
 // (one thread from memory at about half of either's rate alone).
 constexpr int64_t kAvx2Prefetch = 4096;
 
-// 8 int8s of a compact tile times their factors (float32, exact).
-inline __m256 avx2_factored(const uint8_t* k, __m256 d) {
+// 8 int8s of a compact tile times their factors (float32 at d, exact; read from L1 each group:
+// in registers they cost the row block's accumulators two, which then spill).
+inline __m256 avx2_factored(const uint8_t* k, const float* d) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_loadu_ps(d));
 }
 
 // Rows [r0, r0 + NR) of x times one tile (weight rows [n, n + rows)): y[r * N + n + i]. BITS: the
@@ -1610,14 +1611,13 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  __m256 dsc = _mm256_setzero_ps(), dmn = _mm256_setzero_ps();  // a compact tile's factors
+  const float* factors = nullptr;  // a compact tile's of the group's super-block
   const uint8_t* at = tile;
   for (int64_t g = 0; g < G; ++g, at += group_bytes) {
     int64_t fetch_bytes = group_bytes;
     if constexpr (COMPACT) {
       if (g % kPerSuper == 0) {  // the super-block's factors lie before its first group
-        dsc = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
-        if constexpr (!SYM) dmn = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + kAvx2TileRows);
+        factors = reinterpret_cast<const float*>(at);
         at += super_bytes;
         fetch_bytes += super_bytes;
       }
@@ -1681,7 +1681,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
     const S* ws = reinterpret_cast<const S*>(at + kCodeBytes);
     __m256 sc;
     if constexpr (COMPACT) {
-      sc = avx2_factored(at + kCodeBytes, dsc);
+      sc = avx2_factored(at + kCodeBytes, factors);
     } else {
       sc = avx2_load8(ws);
     }
@@ -1694,7 +1694,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
     if constexpr (!SYM) {
       __m256 m;
       if constexpr (COMPACT) {
-        m = avx2_factored(at + kCodeBytes + kAvx2TileRows, dmn);
+        m = avx2_factored(at + kCodeBytes + kAvx2TileRows, factors + kAvx2TileRows);
       } else {
         m = avx2_load8(ws + kAvx2TileRows);
       }
