@@ -210,7 +210,7 @@ def test_avx2_narrow_tiles_and_compact_scales_give_the_same_outputs_from_fewer_b
     assert int(header[6]) == int(plain_header[6]) == int(packed.grid)  # grid codes: looked up in the tiles
     scale_bytes, offsets = scale.element_size(), int(header[0]) < 0
     saved = 72 * cols * (8 - (3 + kind)) // 8 if kind else 0  # 9 tiles of 8 rows (72), cols codes each
-    if compact:  # per group and row: (3 or 7) bytes fewer a scale / offset; per 256 columns and row 4 more
+    if compact:  # per group and row 3 bytes fewer a float32 scale / offset; per 256 columns and row 4 more
         assert scale_bytes == 4
         per = (2 if offsets else 1) * 72
         saved += per * (cols // packed.group) * 3 - per * (cols // 256) * 4

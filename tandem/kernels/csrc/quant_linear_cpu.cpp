@@ -1551,13 +1551,13 @@ inline __m256i avx2_bcast4(const void* p) {
 }
 
 // f(std::integral_constant<int, i>) for i = 0 .. COUNT - 1 in order.
-template <int COUNT, typename F, int... I>
+template <typename F, int... I>
 __attribute__((always_inline)) inline void avx2_for(const F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 template <int COUNT, typename F>
 __attribute__((always_inline)) inline void avx2_for(const F& f) {
-  avx2_for<COUNT>(f, std::make_integer_sequence<int, COUNT>{});
+  avx2_for(f, std::make_integer_sequence<int, COUNT>{});
 }
 
 // Bits [B, B + PLANES) of each byte of a plane vector moved to bits [4, 4 + PLANES), the rest 0.
@@ -1678,13 +1678,15 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
         }
       }
     }
-    const S* ws = reinterpret_cast<const S*>(at + kCodeBytes);
-    __m256 sc;
-    if constexpr (COMPACT) {
-      sc = avx2_factored(at + kCodeBytes, factors);
-    } else {
-      sc = avx2_load8(ws);
-    }
+    // the group's 8 scales (a = 0) or offsets (a = 1): stored, or a compact tile's int8s times factors
+    auto scales = [&](int a) {
+      if constexpr (COMPACT) {
+        return avx2_factored(at + kCodeBytes + a * kAvx2TileRows, factors + a * kAvx2TileRows);
+      } else {
+        return avx2_load8(reinterpret_cast<const S*>(at + kCodeBytes) + a * kAvx2TileRows);
+      }
+    };
+    const __m256 sc = scales(0);
     for (int r = 0; r < NR; ++r) {
       const int64_t row = r0 + r;
       if constexpr (SYM) sum[r] = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(c * X.isum[row * G + g]));
@@ -1692,12 +1694,7 @@ void avx2_tile_block(const RowsX& X, int64_t r0, const uint8_t* tile, int32_t c,
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(sc, dx), acc[r]);
     }
     if constexpr (!SYM) {
-      __m256 m;
-      if constexpr (COMPACT) {
-        m = avx2_factored(at + kCodeBytes + kAvx2TileRows, factors + kAvx2TileRows);
-      } else {
-        m = avx2_load8(ws + kAvx2TileRows);
-      }
+      const __m256 m = scales(1);
       for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.gsum[(r0 + r) * G + g]), acc[r]);
     }
   }
