@@ -643,9 +643,14 @@ inline void store_tile_sums(const __m512 (&acc)[NR][kSubs], const float* bias, T
       vec16 sums;
       const __m512 v = _mm512_add_ps(acc[r][s], b);
       std::memcpy(&sums, &v, sizeof(v));
+      T* to = y + (r0 + r) * N + n + 16 * s;
+      if (count == 16) {  // straight into y (through a buffer and a memcpy of `count`: 0.5 of a prefill's time)
+        store16(to, sums);
+        continue;
+      }
       T out[16];
       store16(out, sums);
-      std::memcpy(y + (r0 + r) * N + n + 16 * s, out, count * sizeof(T));
+      std::memcpy(to, out, count * sizeof(T));
     }
   }
 }
@@ -1024,8 +1029,12 @@ void gemv_rows(const RowsX& X, int64_t R, const uint8_t* packed, bool with_mn, c
   // prefetches: Q4_0 0.95, Q4_1 0.89-0.96, IQ4_XS 0.94-0.95, the default model's Q4_K_M
   // 0.97-0.98, a 100M model of true K-quants 0.95-0.99, a 1B one 0.84-0.97 of the step; at
   // 2 and 4 rows no order held: 0.97-1.08); 8-bit tiles (Q8_0 1.03-1.08 without) and more
-  // rows are asked for: as read once where one row block reads each tile once.
-  const Fetch fetch = BITS == 4 && R == 1 ? Fetch::kNone : R <= block ? Fetch::kOnce : Fetch::kAgain;
+  // rows are asked for: as read once where one row block reads each tile once. On Intel's
+  // Xeon (AMX, AVX-512 VNNI) the non-temporal prefetches slowed the stream they ask for: the
+  // hardware prefetchers alone wherever one row block reads each tile (`kernel_ab.py`, the
+  // default model's Q8_0 at batch 1: 0.70 of the step).
+  static const bool intel = __builtin_cpu_is("intel");
+  const Fetch fetch = R <= block ? (BITS == 4 && R == 1) || intel ? Fetch::kNone : Fetch::kOnce : Fetch::kAgain;
   static thread_local std::vector<uint8_t> widened;
   uint8_t* copy = nullptr;
   if (widen) {
